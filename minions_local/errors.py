@@ -1,0 +1,36 @@
+"""Errors a user can act on.
+
+Every error raised across the public API is a `MinionsError` whose message says what
+went wrong AND what to do about it. The TUI and CLI print `str(err)` and never a
+traceback for these; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class MinionsError(Exception):
+    """Base class: the message is written for the user, including the remedy."""
+
+
+class ModelLoadError(MinionsError):
+    """A model folder or file is missing, damaged, or not a supported architecture."""
+
+
+class VocabularyMismatchError(ModelLoadError):
+    """A minion does not share the target's vocabulary, so its drafts cannot be verified."""
+
+
+class ContextOverflowError(MinionsError):
+    """Prompt plus requested new tokens do not fit in the target's context window."""
+
+
+class ProfileError(MinionsError):
+    """A profile is unknown, malformed, or does not fit the machine's memory."""
+
+
+class MemoryPlanError(MinionsError):
+    """The memory budgets cannot hold even the minimum working set."""
+
+
+class GenerationCancelled(MinionsError):
+    """Generation was stopped by the caller; the partial output is kept."""

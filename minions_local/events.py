@@ -1,0 +1,120 @@
+"""What the engine reports while it generates.
+
+`Engine.stream()` yields `TokenEvent`s and `StepEvent`s and finishes with one
+`DoneEvent`. The TUI, the benchmarks and autotune read only these records, so they
+stay plain dataclasses without torch types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One target forward pass (one grow -> vote -> verify -> accept cycle)."""
+
+    tree_size: int
+    """Draft nodes verified in this pass (the root, the last committed token, is not counted)."""
+    accepted: int
+    """Draft tokens the target accepted (the bonus token the target adds is not counted)."""
+    t_grow: float
+    """Seconds the minions spent growing and voting the tree."""
+    t_verify: float
+    """Seconds of the target pass, streaming included."""
+    bytes_streamed: int = 0
+    """Target weight bytes moved from RAM/disk into compute memory during this pass."""
+    depth: int = 0
+    """Depth of the verified tree (0 = root only, i.e. plain autoregressive)."""
+    new_tokens: int = 0
+    """Tokens committed by this pass: accepted + 1, fewer if a stop condition cut it."""
+    minion_accepted: dict[str, int] = field(default_factory=dict)
+    """Per minion: how many of the accepted tokens lay on a path that minion proposed."""
+    minion_weights: dict[str, float] = field(default_factory=dict)
+    """The vote weight each minion had in this step."""
+    predicted_t_verify: float | None = None
+    """The cost model's prediction for t_verify, when a cost model chose the budget."""
+    predicted_t_grow: float | None = None
+    """The cost model's prediction for t_grow, when a cost model chose the budget."""
+    tree: "TreeSnapshot | None" = None
+    """The verified tree, for display (kept small: tokens, parents, owners, accepted path)."""
+
+    @property
+    def stream_gbps(self) -> float:
+        return self.bytes_streamed / self.t_verify / 1e9 if self.t_verify > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.t_grow + self.t_verify
+        return self.new_tokens / total if total > 0 else 0.0
+
+
+@dataclass(slots=True)
+class TreeSnapshot:
+    """A verified token tree in display form. Node 0 is the root (last committed token)."""
+
+    tokens: list[int]
+    parents: list[int]
+    """parents[i] is the index of node i's parent; -1 for the root."""
+    texts: list[str]
+    """Each node's token as text."""
+    proposers: list[list[str]]
+    """Names of the minions that proposed each node."""
+    scores: list[float]
+    """Voted score (estimated acceptance probability of the path) of each node."""
+    accepted_path: list[int]
+    """Node indices from the root down to the last accepted node."""
+    bonus_text: str = ""
+    """The token the target added after the accepted path."""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New committed tokens and the text they add (text may lag tokens at a UTF-8 boundary)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class StepEvent:
+    record: StepRecord
+
+
+@dataclass(slots=True)
+class Generation:
+    """The result of one generate() call."""
+
+    token_ids: list[int]
+    """New tokens only."""
+    text: str
+    steps: list[StepRecord]
+    finish_reason: str
+    """'length', 'stop' (a stop string or EOS), or 'cancelled'."""
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + sum(s.t_grow + s.t_verify for s in self.steps)
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(s.t_grow + s.t_verify for s in self.steps)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return len(self.token_ids) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        t = self.decode_seconds
+        return len(self.token_ids) / t if t > 0 else 0.0
+
+
+@dataclass(slots=True)
+class DoneEvent:
+    generation: Generation
+
+
+Event = TokenEvent | StepEvent | DoneEvent

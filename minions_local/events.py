@@ -118,3 +118,16 @@ class DoneEvent:
 
 
 Event = TokenEvent | StepEvent | DoneEvent
+
+
+@dataclass(slots=True)
+class LoadProgress:
+    """Reported while weights load and are placed (one model, one tier at a time)."""
+
+    model: str
+    """'target' or a minion's name."""
+    tier: str
+    """'device', 'ram' or 'disk': where these bytes are going."""
+    done_bytes: int
+    total_bytes: int
+    message: str = ""

@@ -1,0 +1,377 @@
+"""`ChatApp`: the Textual chat. Loading and generation run in thread workers that
+only post the messages of `messages.py`; every widget is touched on the app thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Group
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header
+from textual.worker import Worker, get_current_worker
+
+from ..errors import MinionsError
+from .bridge import DEFAULT_PROFILE, EngineFactory, drive, load_engine, unexpected
+from .commands import is_command
+from .messages import (
+    EngineFailed,
+    EngineReady,
+    LoadProgressed,
+    PromptSubmitted,
+    ReplyDelta,
+    ReplyFinished,
+    StatsUpdated,
+)
+from .screens import ErrorScreen
+from .slash import SlashCommands
+from .stats import GenerationStats
+from .store import Conversation, ConversationStore
+from .tree_view import minion_colors
+from .widgets import (
+    AssistantMessage,
+    ChatLog,
+    LoadingPanel,
+    Note,
+    PromptInput,
+    StatsPanel,
+    TreePanel,
+    UserMessage,
+)
+
+QUIT_WINDOW = 2.0
+"""Seconds within which a second Ctrl+C quits."""
+
+LOAD_HINT = (
+    "Try another profile with /profile NAME, or fix the paths in the profile file. "
+    "`minions-chat --plan` shows the memory plan without loading any weights."
+)
+
+
+class LoadCancelled(Exception):
+    """Raised inside the engine's progress callback to abandon a load on exit."""
+
+
+@dataclass
+class ChatOptions:
+    """What the command line decided."""
+
+    profile: str = DEFAULT_PROFILE
+    overrides: dict[str, Any] = field(default_factory=dict)
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    system: str | None = None
+    resume: str | None = None
+    """None: a new conversation; "": the latest saved one; else an id, number or title."""
+    cursor_blink: bool = True
+
+
+class ChatApp(SlashCommands, App[None]):
+    CSS_PATH = "chat.tcss"
+    TITLE = "minions-chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+c", "interrupt", "Stop / quit", priority=True, show=False),
+        Binding("ctrl+t", "toggle_tree", "Tree"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(
+        self,
+        options: ChatOptions | None = None,
+        *,
+        engine_factory: EngineFactory = load_engine,
+        store: ConversationStore | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = options or ChatOptions()
+        self.engine_factory = engine_factory
+        self.store = store or ConversationStore()
+        self.engine: Any = None
+        self.profile = self.options.profile
+        self.minion_names: list[str] = []
+        self.plan_text = ""
+        self.conversation = Conversation(profile=self.profile)
+        self.session_stats = GenerationStats()
+        self.generating = False
+        self._reply: AssistantMessage | None = None
+        self._generation: Worker | None = None
+        self._loading: LoadingPanel | None = None
+        self._last_interrupt = -QUIT_WINDOW
+
+    # ---- layout -------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield ChatLog(id="chat-log")
+            yield TreePanel(id="tree-panel")
+            yield StatsPanel(id="stats-panel")
+        with Vertical(id="prompt-box"):
+            yield PromptInput(id="prompt")
+        yield Footer()
+
+    @property
+    def chat_log(self) -> ChatLog:
+        return self.query_one(ChatLog)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def on_mount(self) -> None:
+        self.prompt.cursor_blink = self.options.cursor_blink
+        self.query_one(TreePanel).display = False
+        self.chat_log.anchor()
+        if self.options.resume is not None:
+            await self._resume(self.options.resume)
+        self._apply_cli_settings()
+        self.prompt.focus()
+        await self._start_loading(self.profile, self.options.overrides)
+
+    def _apply_cli_settings(self) -> None:
+        if self.options.temperature is not None:
+            self.conversation.temperature = self.options.temperature
+        if self.options.max_new_tokens is not None:
+            self.conversation.max_new_tokens = self.options.max_new_tokens
+        if self.options.system is not None:
+            self.conversation.system = self.options.system
+        self._update_subtitle()
+
+    def _update_subtitle(self) -> None:
+        c = self.conversation
+        minions = f" · {len(self.minion_names)} minions" if self.minion_names else ""
+        self.sub_title = f"{self.profile}{minions} · temp {c.temperature:g} · max {c.max_new_tokens}"
+
+    async def _say(self, widget: Any) -> None:
+        await self.chat_log.mount(widget)
+
+    # ---- loading ------------------------------------------------------------------
+
+    async def _start_loading(self, profile: str, overrides: dict[str, Any]) -> None:
+        self.engine = None
+        self.profile = profile
+        self._update_subtitle()
+        self._loading = LoadingPanel(profile)
+        await self._say(self._loading)
+        self._load(profile, overrides)
+
+    @work(thread=True, exclusive=True, group="load", exit_on_error=False)
+    def _load(self, profile: str, overrides: dict[str, Any]) -> None:
+        worker = get_current_worker()
+
+        def progress(update: Any) -> None:
+            if worker.is_cancelled:
+                raise LoadCancelled
+            self.post_message(LoadProgressed(update))
+
+        try:
+            engine = self.engine_factory(profile, progress=progress, **overrides)
+            ready = EngineReady(
+                engine,
+                getattr(engine, "profile_name", profile),
+                list(getattr(engine, "minion_names", [])),
+                engine.memory_plan_text(),
+                dict(engine.memory_by_tier()),
+            )
+        except LoadCancelled:
+            return
+        except MinionsError as err:
+            self.post_message(EngineFailed(f"Could not load profile '{profile}'", str(err)))
+            return
+        except Exception as err:  # a bug or an unexpected library error: no traceback dump
+            self.post_message(EngineFailed(f"Could not load profile '{profile}'", unexpected(err, "loading")))
+            return
+        if not worker.is_cancelled:
+            self.post_message(ready)
+
+    def on_load_progressed(self, message: LoadProgressed) -> None:
+        if self._loading is not None:
+            self._loading.update_progress(message.progress)
+
+    async def on_engine_ready(self, message: EngineReady) -> None:
+        if self._loading is not None:
+            await self._loading.remove()
+            self._loading = None
+        self.engine = message.engine
+        self.profile = message.profile_name
+        self.conversation.profile = self.profile
+        self.minion_names = message.minion_names
+        self.plan_text = message.plan_text
+        colors = minion_colors(self.minion_names)
+        stats = self.query_one(StatsPanel)
+        stats.minion_names, stats.minion_colors, stats.memory = self.minion_names, colors, message.memory
+        stats.show(GenerationStats())
+        self.query_one(TreePanel).minion_colors = colors
+        self._update_subtitle()
+        plan = Group(
+            Text(self.plan_text),
+            Text(""),
+            Text("Ready. Type a message and press Enter; /help lists commands.", style="italic"),
+        )
+        await self._say(Note(plan, title=f"memory plan · {self.profile}", kind="plan"))
+
+    async def on_engine_failed(self, message: EngineFailed) -> None:
+        if self._loading is not None:
+            await self._loading.remove()
+            self._loading = None
+        await self._say(Note(Text(message.message), title=message.title, kind="error"))
+        self.push_screen(
+            ErrorScreen(message.title, message.message, hint=LOAD_HINT), self._after_error
+        )
+
+    def _after_error(self, choice: str | None) -> None:
+        if choice == "quit":
+            self.exit()
+        else:
+            self.prompt.focus()
+
+    # ---- sending and streaming ----------------------------------------------------
+
+    async def on_prompt_submitted(self, message: PromptSubmitted) -> None:
+        text = message.text.strip("\n")
+        if is_command(text.strip()):
+            await self._run_command(text.strip())
+            return
+        if text.startswith("//"):
+            text = text[1:]
+        if self.generating:
+            self.prompt.text = text
+            self.notify("A reply is still streaming: Esc stops it.", severity="warning")
+            return
+        if self.engine is None:
+            self.prompt.text = text
+            self.notify("The model is still loading; your message is kept in the box.", severity="warning")
+            return
+        await self._send(text)
+
+    async def _send(self, text: str) -> None:
+        self.conversation.messages.append({"role": "user", "content": text})
+        self._reply = AssistantMessage(label=self.profile)
+        await self._say(UserMessage(text))
+        await self._say(self._reply)
+        self._reply.footer.update("generating…  Esc stops")
+        self.chat_log.anchor()
+        self.query_one(StatsPanel).show(GenerationStats())
+        self._set_generating(True)
+        c = self.conversation
+        self._generation = self._generate(
+            self.engine, c.engine_messages(), c.max_new_tokens, c.temperature
+        )
+
+    def _set_generating(self, value: bool) -> None:
+        self.generating = value
+        self.set_class(value, "-generating")
+        self.refresh_bindings()
+
+    @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
+    def _generate(self, engine: Any, messages: list[dict[str, str]], max_new_tokens: int, temperature: float) -> None:
+        worker = get_current_worker()
+
+        def events():
+            yield from engine.stream_chat(
+                messages, max_new_tokens=max_new_tokens, temperature=temperature
+            )
+
+        outcome = drive(
+            events(),
+            on_text=lambda text: self.post_message(ReplyDelta(text)),
+            on_step=lambda stats, tree: self.post_message(StatsUpdated(stats, tree)),
+            cancelled=lambda: worker.is_cancelled,
+        )
+        self.post_message(
+            ReplyFinished(outcome.text, outcome.reason, outcome.generation, outcome.stats, outcome.error)
+        )
+
+    async def on_reply_delta(self, message: ReplyDelta) -> None:
+        if self._reply is not None:
+            await self._reply.write(message.text)
+
+    def on_stats_updated(self, message: StatsUpdated) -> None:
+        self.query_one(StatsPanel).show(message.stats)
+        if message.tree is not None:
+            self.query_one(TreePanel).show(message.tree, message.stats.passes)
+
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        reply, self._reply = self._reply, None
+        self._set_generating(False)
+        stats = message.stats or GenerationStats()
+        self.session_stats.merge(stats)
+        self.query_one(StatsPanel).show(stats, title="Last reply")
+        text = message.text
+        if text.strip():
+            self.conversation.messages.append({"role": "assistant", "content": text})
+        elif message.reason in ("cancelled", "error"):
+            # Nothing came back: take the question back so it can be edited and resent.
+            last = self.conversation.messages.pop()
+            if not self.prompt.text:
+                self.prompt.text = last["content"]
+        if reply is not None:
+            await reply.finish(self._footer(message, stats))
+        if message.error:
+            self.notify(message.error, title="Generation failed", severity="error", timeout=10)
+        self._autosave()
+        self.prompt.focus()
+
+    def _footer(self, message: ReplyFinished, stats: GenerationStats) -> str:
+        tokens = len(message.generation.token_ids) if message.generation else stats.new_tokens
+        parts = [f"{tokens} tokens", f"{stats.tokens_per_pass:.2f} tok/pass", f"{stats.tokens_per_second:.1f} tok/s"]
+        if message.reason == "cancelled":
+            parts.append("stopped")
+        elif message.reason == "length":
+            parts.append(f"hit /max {self.conversation.max_new_tokens}")
+        elif message.reason == "error":
+            parts.append("failed")
+        return " · ".join(parts)
+
+    def _autosave(self) -> None:
+        if not self.conversation.messages:
+            return
+        try:
+            self.store.save(self.conversation)
+        except MinionsError as err:
+            self.notify(str(err), title="Not saved", severity="error")
+
+    # ---- keys ---------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.generating
+        return True
+
+    def action_stop(self) -> None:
+        if self.generating and self._generation is not None:
+            self._generation.cancel()
+            if self._reply is not None:
+                self._reply.footer.update("stopping after this pass…")
+
+    def action_interrupt(self) -> None:
+        now = time.monotonic()
+        if now - self._last_interrupt < QUIT_WINDOW:
+            self.action_quit_now()
+            return
+        self._last_interrupt = now
+        if self.generating:
+            self.action_stop()
+            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW)
+        else:
+            self.notify("Press Ctrl+C again (or Ctrl+Q) to quit.", timeout=QUIT_WINDOW)
+
+    def action_quit_now(self) -> None:
+        self.workers.cancel_all()
+        self.exit()
+
+    async def action_quit(self) -> None:
+        self.action_quit_now()
+
+    def action_toggle_tree(self) -> None:
+        panel = self.query_one(TreePanel)
+        panel.display = not panel.display
+        if panel.display:
+            panel.refresh_tree()

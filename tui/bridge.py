@@ -1,0 +1,114 @@
+"""The thin layer between the UI and the engine, shared by the app and `--plain`.
+
+`load_engine` imports `minions_local.engine` (and so torch) only when called, on
+the thread that loads. `drive` runs one stream of events to its end, checking a
+cancellation flag between events, and always closes the generator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MinionsError
+from ..events import DoneEvent, Generation, LoadProgress, StepEvent, TokenEvent, TreeSnapshot
+from .stats import GenerationStats
+
+log = logging.getLogger("minions_local.tui")
+
+DEFAULT_PROFILE = "cpu-demo"
+
+EngineFactory = Callable[..., Any]
+"""`factory(profile, *, progress, **overrides) -> engine`; `Engine.from_profile` fits."""
+
+
+def load_engine(profile: str, *, progress: Callable[[LoadProgress], None], **overrides: Any) -> Any:
+    """The real factory: `Engine.from_profile`, imported lazily."""
+    try:
+        from ..engine import Engine
+    except ImportError as err:
+        raise MinionsError(
+            f"The inference engine could not be imported ({err}). Install minions-local "
+            "with its dependencies (torch first: `pip install torch`, then "
+            "`pip install minions-local`)."
+        ) from err
+    return Engine.from_profile(profile, progress=progress, **overrides)
+
+
+def overrides_from(target: str | None, minions: list[str] | None) -> dict[str, Any]:
+    """Only the overrides the user gave, so the profile's own values stand otherwise."""
+    out: dict[str, Any] = {}
+    if target:
+        out["target"] = target
+    if minions:
+        out["minions"] = list(minions)
+    return out
+
+
+def unexpected(err: BaseException, doing: str) -> str:
+    """A readable message for an error that is not a `MinionsError` (a bug); the
+    traceback goes to the log, not to the screen."""
+    log.error("unexpected error while %s", doing, exc_info=err)
+    return (
+        f"Unexpected error while {doing}: {type(err).__name__}: {err}. "
+        "This is a bug in minions-local; please report it with the steps that led here."
+    )
+
+
+@dataclass
+class Outcome:
+    text: str
+    reason: str
+    """'length', 'stop', 'cancelled' or 'error'."""
+    stats: GenerationStats
+    generation: Generation | None = None
+    error: str | None = None
+
+
+def drive(
+    events: Iterator[Any],
+    *,
+    on_text: Callable[[str], None],
+    on_step: Callable[[GenerationStats, TreeSnapshot | None], None] = lambda s, t: None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> Outcome:
+    """Consume one generation; stop (closing the generator) as soon as `cancelled()`.
+
+    The engine finishes the target pass it is in, so a stop lands within one pass.
+    """
+    stats = GenerationStats()
+    parts: list[str] = []
+    outcome: Outcome | None = None
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                if event.text:
+                    parts.append(event.text)
+                    on_text(event.text)
+            elif isinstance(event, StepEvent):
+                stats.add(event.record)
+                on_step(stats.copy(), event.record.tree)
+            elif isinstance(event, DoneEvent):
+                generation = event.generation
+                outcome = Outcome("".join(parts), generation.finish_reason, stats, generation)
+                break
+            if cancelled():
+                outcome = Outcome("".join(parts), "cancelled", stats)
+                break
+        else:
+            outcome = Outcome("".join(parts), "stop", stats)
+    except MinionsError as err:
+        outcome = Outcome("".join(parts), "error", stats, error=str(err))
+    except Exception as err:  # a bug: keep the partial reply, show a message, log the rest
+        outcome = Outcome("".join(parts), "error", stats, error=unexpected(err, "generating"))
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as err:
+                log.error("closing the generation failed", exc_info=err)
+    assert outcome is not None
+    return outcome

@@ -1,0 +1,145 @@
+"""`minions-chat`: parse the command line, then run the app, the plain REPL, or a report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from ..errors import MinionsError
+from .bridge import DEFAULT_PROFILE, EngineFactory, load_engine, overrides_from
+
+DESCRIPTION = """\
+Chat with a big local model that several small 'minion' models speed up (lossless
+speculative decoding). Opens a terminal app; with --plain, or when stdin/stdout is
+not a terminal, a line-based REPL that streams to stdout
+(`echo "def f(" | minions-chat --plain` prints the completion and exits)."""
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError("temperature must be between 0 and 2 (0 is greedy)")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minions-chat", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model")
+    model.add_argument("--profile", "-p", default=DEFAULT_PROFILE, metavar="NAME|PATH",
+                       help=f"hardware + model profile: a shipped name or a .toml path (default: {DEFAULT_PROFILE})")
+    model.add_argument("--target", metavar="PATH", help="use this target checkpoint instead of the profile's")
+    model.add_argument("--minion", metavar="PATH", action="append", dest="minions",
+                       help="use this minion instead of the profile's (repeat for several)")
+    model.add_argument("--plan", action="store_true",
+                       help="print the profile's memory plan and exit (loads no weights)")
+    model.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--temp", type=_temperature, dest="temperature", metavar="T",
+                     help="sampling temperature, 0 = greedy (default: 0)")
+    gen.add_argument("--max", type=_positive, dest="max_new_tokens", metavar="N",
+                     help="most new tokens per reply (default: 256)")
+    gen.add_argument("--system", metavar="TEXT", help="system prompt for the conversation")
+    chat = p.add_argument_group("conversation")
+    chat.add_argument("--resume", nargs="?", const="", metavar="ID|N|TITLE",
+                      help="continue the latest saved conversation (or the one named)")
+    chat.add_argument("--plain", action="store_true", help="line-based REPL instead of the full-screen app")
+    return p
+
+
+def _report(kind: str, profile: str, out: TextIO, err: TextIO) -> int:
+    """--plan and --list-profiles come from the profiles module."""
+    try:
+        from .. import profiles
+    except ImportError:
+        err.write(f"minions-chat: --{kind} needs minions_local.profiles, which this build lacks.\n")
+        return 2
+    try:
+        if kind == "plan":
+            out.write(profiles.plan_report(profile).rstrip("\n") + "\n")
+        else:
+            out.write("\n".join(profiles.available_profiles()) + "\n")
+    except AttributeError as error:
+        err.write(f"minions-chat: --{kind} is not available in this build ({error}).\n")
+        return 2
+    except MinionsError as error:
+        err.write(f"minions-chat: {error}\n")
+        return 1
+    return 0
+
+
+def main(
+    argv: list[str] | None = None,
+    *,
+    engine_factory: EngineFactory = load_engine,
+    store: Any = None,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    args = build_parser().parse_args(argv)
+    if args.plan:
+        return _report("plan", args.profile, stdout, stderr)
+    if args.list_profiles:
+        return _report("list-profiles", args.profile, stdout, stderr)
+
+    from .store import Conversation, ConversationStore
+
+    store = store or ConversationStore()
+    overrides = overrides_from(args.target, args.minions)
+    if args.plain or not stdin.isatty() or not stdout.isatty():
+        from .plain import PlainIO, run_plain
+
+        conversation = Conversation(profile=args.profile)
+        if args.resume is not None and stdin.isatty():
+            try:
+                conversation = (store.find(args.resume) if args.resume else store.latest()) or conversation
+            except MinionsError as error:
+                stderr.write(f"minions-chat: {error}\n")
+                return 1
+        if args.temperature is not None:
+            conversation.temperature = args.temperature
+        if args.max_new_tokens is not None:
+            conversation.max_new_tokens = args.max_new_tokens
+        if args.system is not None:
+            conversation.system = args.system
+        return run_plain(
+            profile=args.profile,
+            overrides=overrides,
+            conversation=conversation,
+            engine_factory=engine_factory,
+            store=store,
+            io=PlainIO(stdin, stdout, stderr),
+        )
+
+    from .app import ChatApp, ChatOptions
+
+    options = ChatOptions(
+        profile=args.profile,
+        overrides=overrides,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        system=args.system,
+        resume=args.resume,
+    )
+    ChatApp(options, engine_factory=engine_factory, store=store).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

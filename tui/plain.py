@@ -1,0 +1,243 @@
+"""`minions-chat --plain`: a line REPL on a terminal, a one-shot completion in a pipe.
+
+With stdin a pipe, the whole input is the prompt of a plain completion
+(`Engine.stream`) and only the completion goes to stdout. On a terminal it is a
+chat (`Engine.stream_chat`); progress, the memory plan and stats go to stderr.
+Generation runs on a helper thread so that Ctrl+C stops it between two target
+passes instead of tearing through the engine; a second Ctrl+C quits.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from ..errors import MinionsError
+from ..events import LoadProgress
+from .bridge import EngineFactory, Outcome, drive, unexpected
+from .commands import CommandError, is_command, parse_command
+from .stats import format_bytes
+from .store import Conversation, ConversationStore
+
+PLAIN_HELP = (
+    "Type a message and press Enter; end a line with \\ to continue it.\n"
+    "/new  /temp 0.7  /max 512  /system TEXT|off  /save [title]  /help  /quit\n"
+    "Ctrl+C stops a reply, Ctrl+C twice or Ctrl+D quits."
+)
+
+
+@dataclass
+class PlainIO:
+    stdin: TextIO
+    stdout: TextIO
+    stderr: TextIO
+
+    def out(self, text: str) -> None:
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def err(self, text: str, end: str = "\n") -> None:
+        self.stderr.write(text + end)
+        self.stderr.flush()
+
+
+def run_plain(
+    *,
+    profile: str,
+    overrides: dict[str, Any],
+    conversation: Conversation,
+    engine_factory: EngineFactory,
+    store: ConversationStore,
+    io: PlainIO,
+) -> int:
+    interactive = io.stdin.isatty()
+    engine = _load(profile, overrides, engine_factory, io)
+    if engine is None:
+        return 1
+    if not interactive:
+        return _complete_stdin(engine, conversation, io)
+    io.err(engine.memory_plan_text())
+    io.err(PLAIN_HELP)
+    try:
+        return _repl(engine, conversation, store, io)
+    except KeyboardInterrupt:
+        io.err("")
+        return 130
+
+
+def _load(profile: str, overrides: dict[str, Any], factory: EngineFactory, io: PlainIO) -> Any:
+    show = io.stderr.isatty()
+
+    def progress(p: LoadProgress) -> None:
+        if show:
+            share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
+            io.err(
+                f"\rloading {p.model} → {p.tier}: {share:4.0%} "
+                f"({format_bytes(p.done_bytes)} / {format_bytes(p.total_bytes)})\x1b[K",
+                end="",
+            )
+
+    try:
+        engine = factory(profile, progress=progress, **overrides)
+    except MinionsError as err:
+        io.err(("\r\x1b[K" if show else "") + f"minions-chat: {err}")
+        return None
+    except Exception as err:
+        io.err(("\r\x1b[K" if show else "") + "minions-chat: " + unexpected(err, "loading"))
+        return None
+    if show:
+        io.err("\r\x1b[K", end="")
+    return engine
+
+
+def _generate(events: Any, io: PlainIO) -> Outcome:
+    """Drive the stream on a helper thread; the first Ctrl+C asks it to stop."""
+    cancel = threading.Event()
+    box: list[Outcome] = []
+    worker = threading.Thread(
+        target=lambda: box.append(drive(events, on_text=io.out, cancelled=cancel.is_set)),
+        name="minions-generate",
+        daemon=True,
+    )
+    worker.start()
+    while worker.is_alive():
+        try:
+            worker.join(0.1)
+        except KeyboardInterrupt:
+            if cancel.is_set():
+                raise
+            cancel.set()
+            io.err(" [stopping…]", end="")
+    return box[0]
+
+
+def _complete_stdin(engine: Any, conversation: Conversation, io: PlainIO) -> int:
+    prompt = io.stdin.read()
+    if prompt.endswith("\n"):
+        prompt = prompt[:-1]
+    if not prompt.strip():
+        io.err("minions-chat: nothing to complete on stdin.")
+        return 2
+    try:
+        outcome = _generate(
+            engine.stream(
+                prompt,
+                max_new_tokens=conversation.max_new_tokens,
+                temperature=conversation.temperature,
+            ),
+            io,
+        )
+    except KeyboardInterrupt:
+        return 130
+    if not outcome.text.endswith("\n"):
+        io.out("\n")
+    if outcome.error:
+        io.err(f"minions-chat: {outcome.error}")
+        return 1
+    return 0
+
+
+def _read_message(io: PlainIO) -> str | None:
+    """One message; a trailing backslash continues it on the next line. None at EOF."""
+    lines: list[str] = []
+    prompt = ">>> "
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            return None if not lines else "\n".join(lines)
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            prompt = "... "
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io: PlainIO) -> int:
+    try:
+        import readline  # noqa: F401  (gives input() history and line editing)
+    except ImportError:
+        pass
+    while True:
+        try:
+            text = _read_message(io)
+        except KeyboardInterrupt:
+            io.err("\n(Ctrl+D or /quit leaves)")
+            continue
+        if text is None:
+            io.err("")
+            return 0
+        if not text.strip():
+            continue
+        if is_command(text.strip()):
+            if _command(text.strip(), engine, conversation, store, io) == "quit":
+                return 0
+            continue
+        if text.startswith("//"):
+            text = text[1:]
+        conversation.messages.append({"role": "user", "content": text})
+        outcome = _generate(
+            engine.stream_chat(
+                conversation.engine_messages(),
+                max_new_tokens=conversation.max_new_tokens,
+                temperature=conversation.temperature,
+            ),
+            io,
+        )
+        if outcome.text.strip():
+            conversation.messages.append({"role": "assistant", "content": outcome.text})
+        else:
+            conversation.messages.pop()
+        if not outcome.text.endswith("\n"):
+            io.out("\n")
+        s = outcome.stats
+        note = "stopped · " if outcome.reason == "cancelled" else ""
+        io.err(f"[{note}{s.new_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass · {s.tokens_per_second:.1f} tok/s]")
+        if outcome.error:
+            io.err(f"minions-chat: {outcome.error}")
+        try:
+            store.save(conversation)
+        except MinionsError as err:
+            io.err(f"minions-chat: {err}")
+
+
+def _command(text: str, engine: Any, conversation: Conversation, store: ConversationStore, io: PlainIO) -> str:
+    try:
+        command = parse_command(text)
+    except CommandError as err:
+        io.err(str(err))
+        return ""
+    name = command.name
+    if name == "quit":
+        return "quit"
+    if name == "help":
+        io.err(PLAIN_HELP)
+    elif name == "new":
+        conversation.messages.clear()
+        conversation.id = Conversation().id
+        conversation.title = ""
+        engine.reset()
+        io.err("(new conversation)")
+    elif name == "temp":
+        conversation.temperature = float(command.value or 0.0)
+        io.err(f"(temperature {conversation.temperature:g})")
+    elif name == "max":
+        conversation.max_new_tokens = int(command.value or 1)
+        io.err(f"(at most {conversation.max_new_tokens} new tokens)")
+    elif name == "system":
+        if command.arg.lower() in ("off", "clear", "none", "-"):
+            conversation.system = ""
+        elif command.arg:
+            conversation.system = command.arg
+        io.err(f"(system prompt: {conversation.system or 'none'})")
+    elif name == "save":
+        conversation.title = command.arg or conversation.title
+        try:
+            io.err(f"(saved to {store.save(conversation)})")
+        except MinionsError as err:
+            io.err(str(err))
+    else:
+        io.err(f"/{name} is only in the full app (run minions-chat without --plain).")
+    return ""

@@ -1,0 +1,179 @@
+"""The slash commands and conversation switching, as a mixin of `ChatApp`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group
+from rich.text import Text
+
+from ..errors import MinionsError
+from .commands import HELP, Command, CommandError, parse_command
+from .screens import ConversationPicker
+from .stats import GenerationStats, render_stats
+from .store import Conversation
+from .tree_view import minion_colors
+from .widgets import AssistantMessage, MarkdownNote, Note, StatsPanel, TreePanel, UserMessage
+
+if TYPE_CHECKING:
+    from .app import ChatApp
+
+BUSY = {"new", "load", "profile"}
+"""Commands that would pull the conversation or the engine from under a running reply."""
+
+
+class SlashCommands:
+    async def _run_command(self: ChatApp, text: str) -> None:
+        try:
+            command = parse_command(text)
+        except CommandError as err:
+            self.notify(str(err), title="Command", severity="warning")
+            return
+        if command.name in BUSY and self.generating:
+            self.notify(f"/{command.name} waits until the reply is done (Esc stops it).", severity="warning")
+            return
+        try:
+            await getattr(self, f"_cmd_{command.name}")(command)
+        except MinionsError as err:
+            self.notify(str(err), title=f"/{command.name}", severity="error")
+
+    async def _cmd_help(self: ChatApp, command: Command) -> None:
+        await self._say(MarkdownNote(HELP, title="help"))
+
+    async def _cmd_quit(self: ChatApp, command: Command) -> None:
+        self.action_quit_now()
+
+    async def _cmd_tree(self: ChatApp, command: Command) -> None:
+        self.action_toggle_tree()
+
+    async def _cmd_temp(self: ChatApp, command: Command) -> None:
+        self.conversation.temperature = float(command.value or 0.0)
+        self._update_subtitle()
+        mode = "greedy" if self.conversation.temperature == 0 else "sampling"
+        self.notify(f"Temperature {self.conversation.temperature:g} ({mode}) from the next reply.")
+
+    async def _cmd_max(self: ChatApp, command: Command) -> None:
+        self.conversation.max_new_tokens = int(command.value or 1)
+        self._update_subtitle()
+        self.notify(f"Replies stop after {self.conversation.max_new_tokens} new tokens.")
+
+    async def _cmd_system(self: ChatApp, command: Command) -> None:
+        if not command.arg:
+            current = self.conversation.system or "(none)"
+            await self._say(Note(Text(current), title="system prompt"))
+        elif command.arg.lower() in ("off", "clear", "none", "-"):
+            self.conversation.system = ""
+            self.notify("System prompt cleared.")
+        else:
+            self.conversation.system = command.arg
+            self.notify("System prompt set for the next reply.")
+
+    async def _cmd_save(self: ChatApp, command: Command) -> None:
+        if command.arg:
+            self.conversation.title = command.arg
+        path = self.store.save(self.conversation)
+        self.notify(f"Saved '{self.conversation.display_title()}' to {path}")
+
+    async def _cmd_new(self: ChatApp, command: Command) -> None:
+        old = self.conversation
+        await self._open_conversation(
+            Conversation(
+                profile=self.profile,
+                system=old.system,
+                temperature=old.temperature,
+                max_new_tokens=old.max_new_tokens,
+            )
+        )
+        self.notify("New conversation." + (" The last one is saved: /load brings it back." if old.messages else ""))
+
+    async def _cmd_load(self: ChatApp, command: Command) -> None:
+        if command.arg:
+            await self._open_conversation(self.store.find(command.arg))
+            return
+        saved = self.store.saved()
+        if not saved:
+            self.notify(f"No saved conversations yet (they go to {self.store.root}).")
+            return
+
+        async def chosen(conversation: Conversation | None) -> None:
+            if conversation is not None:
+                await self._open_conversation(conversation)
+
+        self.push_screen(ConversationPicker(saved), chosen)
+
+    async def _cmd_profile(self: ChatApp, command: Command) -> None:
+        if not command.arg:
+            await self._say(Note(Text(_profiles_text(self.profile)), title="profiles"))
+            return
+        self.engine = None
+        self.minion_names = []
+        await self._start_loading(command.arg, {})
+
+    async def _cmd_stats(self: ChatApp, command: Command) -> None:
+        stats_panel = self.query_one(StatsPanel)
+        body = render_stats(
+            self.session_stats,
+            minion_names=self.minion_names,
+            colors=minion_colors(self.minion_names),
+            memory=stats_panel.memory,
+            title=f"This session ({len(self.conversation.messages)} messages)",
+        )
+        parts: list[Any] = [body]
+        if self.plan_text:
+            parts += [Text(""), Text("Memory plan", style="bold underline"), Text(self.plan_text)]
+        await self._say(Note(Group(*parts), title="stats"))
+
+    # ---- conversations ------------------------------------------------------------
+
+    async def _resume(self: ChatApp, query: str) -> None:
+        try:
+            conversation = self.store.find(query) if query else self.store.latest()
+        except MinionsError as err:
+            self.notify(str(err), title="--resume", severity="error")
+            return
+        if conversation is None:
+            self.notify("No saved conversation to resume; starting a new one.")
+            return
+        await self._open_conversation(conversation)
+
+    async def _open_conversation(self: ChatApp, conversation: Conversation) -> None:
+        """Show a conversation and make it current; the engine forgets its cache."""
+        self.conversation = conversation
+        log = self.chat_log
+        keep = [self._loading] if self._loading is not None else []
+        await log.remove_children([w for w in log.children if w not in keep])
+        widgets: list[Any] = []
+        for message in conversation.messages:
+            if message["role"] == "user":
+                widgets.append(UserMessage(message["content"]))
+            elif message["role"] == "assistant":
+                widgets.append(AssistantMessage(message["content"], label=conversation.profile or "target"))
+        if widgets:
+            await log.mount_all(widgets, before=0 if keep else None)
+        if self.engine is not None and hasattr(self.engine, "reset"):
+            self.engine.reset()
+        self.session_stats = GenerationStats()
+        self.query_one(StatsPanel).show(GenerationStats())
+        self.query_one(TreePanel).show(None, 0)
+        self._update_subtitle()
+        log.anchor()
+        if conversation.messages:
+            self.notify(f"Loaded '{conversation.display_title()}' ({len(conversation.messages)} messages).")
+
+
+def _profiles_text(current: str) -> str:
+    lines = [f"current profile: {current}"]
+    try:
+        from ..profiles import available_profiles
+    except ImportError:
+        lines.append("(the profile list is not available in this build)")
+    else:
+        try:
+            names = available_profiles()
+        except MinionsError as err:
+            names = []
+            lines.append(str(err))
+        if names:
+            lines.append("available: " + ", ".join(names))
+    lines.append("Switch with /profile NAME or /profile path/to/profile.toml.")
+    return "\n".join(lines)

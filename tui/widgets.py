@@ -1,0 +1,245 @@
+"""The widgets of the chat screen. None of them talks to the engine."""
+
+from __future__ import annotations
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, ProgressBar, Sparkline, Static, TextArea
+from textual.widgets.markdown import MarkdownStream
+
+from ..events import LoadProgress, TreeSnapshot
+from .messages import PromptSubmitted
+from .stats import GenerationStats, format_bytes, render_stats
+from .tree_view import render_tree
+
+NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter", "ctrl+enter")
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, Ctrl+J adds a line, Up/Down walk the history."""
+
+    def __init__(self, *, history: list[str] | None = None, **kwargs) -> None:
+        super().__init__(
+            placeholder="Message the target… (Enter sends · Ctrl+J new line · /help)",
+            soft_wrap=True,
+            show_line_numbers=False,
+            highlight_cursor_line=False,
+            compact=True,
+            **kwargs,
+        )
+        self.sent_history: list[str] = list(history or [])
+        self._browse: int | None = None
+        """Index into history while browsing; None while editing a fresh draft."""
+        self._draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self._enter()
+            return
+        if event.key in NEWLINE_KEYS:
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+    def _enter(self) -> None:
+        row, col = self.cursor_location
+        line = self.document.get_line(row)
+        if col == len(line) and line.endswith("\\"):
+            # A trailing backslash continues the message on a new line, like a shell.
+            self.replace("\n", (row, col - 1), (row, col))
+            return
+        text = self.text
+        if not text.strip():
+            return
+        if not self.sent_history or self.sent_history[-1] != text:
+            self.sent_history.append(text)
+        self._browse = None
+        self.clear()
+        self.post_message(PromptSubmitted(text))
+
+    def key_up(self, event: events.Key) -> None:
+        if self.cursor_location[0] != 0 or not self.sent_history:
+            return
+        event.stop()
+        event.prevent_default()
+        if self._browse is None:
+            self._draft = self.text
+            self._browse = len(self.sent_history)
+        self._browse = max(0, self._browse - 1)
+        self._show(self.sent_history[self._browse])
+
+    def key_down(self, event: events.Key) -> None:
+        if self._browse is None or self.cursor_location[0] != self.document.line_count - 1:
+            return
+        event.stop()
+        event.prevent_default()
+        self._browse += 1
+        if self._browse >= len(self.sent_history):
+            self._browse = None
+            self._show(self._draft)
+        else:
+            self._show(self.sent_history[self._browse])
+
+    def _show(self, text: str) -> None:
+        self.text = text
+        self.move_cursor(self.document.end)
+
+
+class UserMessage(Static):
+    """What the user sent, shown as typed (no Markdown surprises)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Text(text), classes="message user")
+        self.border_title = "you"
+
+
+class AssistantMessage(Vertical):
+    """A reply: Markdown streamed in fragments, then a footer with its numbers."""
+
+    def __init__(self, text: str = "", *, label: str = "target") -> None:
+        super().__init__(classes="message assistant")
+        self._initial = text
+        self.border_title = label
+        self.body = Markdown(text)
+        self.footer = Label("", classes="reply-footer")
+        self._stream: MarkdownStream | None = None
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        yield self.body
+        yield self.footer
+
+    async def write(self, fragment: str) -> None:
+        """Append a fragment; `Markdown.get_stream` coalesces fast writes."""
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.body)
+        self.text += fragment
+        await self._stream.write(fragment)
+
+    async def finish(self, footer: str) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if not self.text.strip():
+            await self.body.update("*(no text)*")
+        self.footer.update(footer)
+        self.add_class("finished")
+
+
+class Note(Static):
+    """A message from the app itself: help, the memory plan, stats, command errors."""
+
+    def __init__(self, content: RenderableType, *, title: str = "", kind: str = "info") -> None:
+        super().__init__(content, classes=f"note {kind}")
+        if title:
+            self.border_title = title
+
+
+class MarkdownNote(Vertical):
+    def __init__(self, markdown: str, *, title: str = "", kind: str = "info") -> None:
+        super().__init__(classes=f"note {kind}")
+        self._markdown = markdown
+        if title:
+            self.border_title = title
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(self._markdown)
+
+
+class ChatLog(VerticalScroll):
+    """The conversation; anchored, so it follows new text until the user scrolls up."""
+
+    can_focus = True
+
+
+class LoadingPanel(Vertical):
+    """One progress bar per (model, tier) while the weights load and are placed."""
+
+    def __init__(self, profile: str) -> None:
+        super().__init__(classes="note loading")
+        self.border_title = f"loading profile {profile}"
+        self._bars: dict[tuple[str, str], tuple[ProgressBar, Label]] = {}
+
+    def compose(self) -> ComposeResult:
+        yield Label("Reading weights and placing them in memory…", classes="loading-message")
+
+    def update_progress(self, progress: LoadProgress) -> None:
+        key = (progress.model, progress.tier)
+        if key not in self._bars:
+            name = Label(f"{progress.model} → {progress.tier}", classes="bar-name")
+            bar = ProgressBar(total=max(progress.total_bytes, 1), show_eta=False)
+            size = Label("", classes="bar-size")
+            self.mount(Horizontal(name, bar, size, classes="bar-row"))
+            self._bars[key] = (bar, size)
+        bar, size = self._bars[key]
+        bar.update(total=max(progress.total_bytes, 1), progress=progress.done_bytes)
+        size.update(f"{format_bytes(progress.done_bytes)} / {format_bytes(progress.total_bytes)}")
+        if progress.message:
+            self.query_one(".loading-message", Label).update(progress.message)
+
+
+class StatsPanel(Vertical):
+    """Live numbers of the reply being generated (or of the last one)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "live stats"
+        self.minion_names: list[str] = []
+        self.minion_colors: dict[str, str] = {}
+        self.memory: dict[str, int] = {}
+        self.stats = GenerationStats()
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="stats-body")
+        yield Label("tokens per pass", classes="spark-title")
+        yield Sparkline([], id="stats-spark")
+
+    def on_mount(self) -> None:
+        self.show(self.stats)
+
+    def show(self, stats: GenerationStats, *, title: str = "This reply") -> None:
+        self.stats = stats
+        self.query_one("#stats-body", Static).update(
+            render_stats(
+                stats,
+                minion_names=self.minion_names,
+                colors=self.minion_colors,
+                memory=self.memory,
+                title=title,
+            )
+        )
+        self.query_one("#stats-spark", Sparkline).data = [float(n) for n in stats.recent_tokens_per_pass]
+
+
+class TreePanel(VerticalScroll):
+    """The last verified token tree (toggled with Ctrl+T)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "last verified tree"
+        self.minion_colors: dict[str, str] = {}
+        self.snapshot: TreeSnapshot | None = None
+        self.pass_number = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="tree-body")
+
+    def on_mount(self) -> None:
+        self.refresh_tree()
+
+    def show(self, tree: TreeSnapshot | None, pass_number: int) -> None:
+        self.snapshot, self.pass_number = tree, pass_number
+        if self.display:
+            self.refresh_tree()
+
+    def refresh_tree(self) -> None:
+        self.query_one("#tree-body", Static).update(
+            render_tree(self.snapshot, self.minion_colors, pass_number=self.pass_number)
+        )

@@ -1,0 +1,263 @@
+"""The hardware profile: what the machine is and which models run where, as data.
+
+A profile is a TOML file validated by these models. Every field says what it means
+(the descriptions are the reference documentation: `python -m minions_local.profiles
+--schema` prints them). Unknown keys are errors, so a misspelt field never silently
+falls back to a default.
+
+Units: memory in GB (1e9 bytes), bandwidth in GB/s, compute in TFLOP/s, times in ms.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+Tier = Literal["device", "ram", "disk"]
+DType = Literal["float32", "bfloat16", "float16"]
+TargetQuantization = Literal["none", "int8", "int4"]
+MinionQuantization = Literal["none", "nf4", "int8"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KnownDims(_Section):
+    """Dimensions of a model that may not be on this machine (for `--plan`)."""
+
+    layers: int = Field(gt=0, description="Decoder layers (num_hidden_layers).")
+    hidden: int = Field(gt=0, description="Hidden size (hidden_size).")
+    intermediate: int = Field(gt=0, description="MLP inner size (intermediate_size).")
+    heads: int = Field(gt=0, description="Attention heads (num_attention_heads).")
+    kv_heads: int = Field(gt=0, description="Key/value heads (num_key_value_heads).")
+    vocab: int = Field(gt=0, description="Vocabulary size (vocab_size).")
+    head_dim: int | None = Field(None, gt=0, description="Per-head size; hidden // heads when absent.")
+    tied_embeddings: bool = Field(False, description="Output head shares the input embeddings.")
+    params: float | None = Field(
+        None, gt=0, description="Published parameter count, for display and as a cross-check."
+    )
+
+
+class Hardware(_Section):
+    """The machine: memory budgets and measured speeds of its links and compute."""
+
+    device: Literal["cpu", "cuda"] = Field(description="Compute device kind.")
+    device_name: str = Field("", description="Human name of the device, e.g. 'NVIDIA RTX 4090'.")
+    device_memory_gb: float = Field(
+        gt=0,
+        description="Memory the app may use on the compute device (VRAM; on a CPU box, the "
+        "RAM for resident weights, minions and KV caches).",
+    )
+    device_reserve_gb: float = Field(
+        0.0,
+        ge=0,
+        description="Device memory kept free for the CUDA context, activations and "
+        "allocator slack; subtracted from device_memory_gb.",
+    )
+    device_memory_gbps: float = Field(
+        gt=0,
+        description="Bandwidth of the device's own memory (VRAM or RAM). Reading every "
+        "weight once bounds a forward pass of few tokens from below.",
+    )
+    host_ram_gb: float = Field(
+        ge=0,
+        description="Host RAM for target layers streamed from RAM (pinned on CUDA). "
+        "0 = no RAM tier: layers that are not resident stream from disk.",
+    )
+    disk_path: str = Field(
+        "~/.cache/minions-local/offload",
+        description="Folder for layers streamed from disk (repacked at the streamed quantization).",
+    )
+    disk_budget_gb: float = Field(0.0, ge=0, description="Space the disk tier may use under disk_path.")
+    disk_read_gbps: float = Field(
+        gt=0, description="Sequential read speed of disk_path with the page cache bypassed."
+    )
+    host_to_device_gbps: float = Field(
+        gt=0,
+        description="Copy speed from host RAM into device memory (pinned memory on CUDA; "
+        "a memcpy on a CPU box).",
+    )
+    host_to_device_pageable_gbps: float | None = Field(
+        None, gt=0, description="Copy speed from pageable (unpinned) RAM, when measured."
+    )
+    compute_tflops: dict[str, float] = Field(
+        description="Achieved matmul throughput on large matrices by dtype, e.g. "
+        "{bfloat16 = 150.0, float32 = 40.0}."
+    )
+    layer_overhead_ms: float = Field(
+        0.1,
+        ge=0,
+        description="Fixed cost per decoder layer per forward (kernel launches, Python, "
+        "synchronisation): what makes a tiny model's pass cost more than its flops.",
+    )
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> "Hardware":
+        if self.device_reserve_gb >= self.device_memory_gb:
+            raise ValueError(
+                f"device_reserve_gb ({self.device_reserve_gb}) must be below "
+                f"device_memory_gb ({self.device_memory_gb})"
+            )
+        if not self.compute_tflops:
+            raise ValueError("compute_tflops needs at least one dtype, e.g. {bfloat16 = 1.0}")
+        return self
+
+    def tflops(self, dtype: str) -> float:
+        """Throughput for `dtype`, falling back to the fastest measured one."""
+        return self.compute_tflops.get(dtype) or max(self.compute_tflops.values())
+
+
+class Target(_Section):
+    """The big model whose layers stream in for every verification pass."""
+
+    path: str = Field(
+        description="Model folder or file: 'demo:NAME' (shipped demo model), 'models:NAME' "
+        "(under $MINIONS_MODELS_DIR, default ~/models), '~/...', an absolute path, or a "
+        "path relative to the profile file. load_profile() resolves it to an absolute path."
+    )
+    format: Literal["hf", "gguf"] = Field("hf", description="HF folder (safetensors) or GGUF file.")
+    dtype: DType = Field("bfloat16", description="Compute dtype of the target.")
+    tier: Tier = Field(
+        "ram",
+        description="Lowest tier the target's layers may live on: 'device' = fully resident, "
+        "'ram' = the rest stream from host RAM, 'disk' = RAM first, then disk.",
+    )
+    resident_quantization: TargetQuantization = Field(
+        "none", description="Storage of the layers kept on the compute device."
+    )
+    streamed_quantization: TargetQuantization = Field(
+        "none", description="Storage of the layers streamed in each pass (fewer bytes per pass)."
+    )
+    resident_layers: int | None = Field(
+        None,
+        ge=0,
+        description="At most this many layers stay on the device; unset = as many as fit, "
+        "0 = stream every layer.",
+    )
+    layer_buffers: int = Field(
+        2, ge=1, le=8, description="Device buffers for streamed layers (1 = no overlap)."
+    )
+    context_tokens: int = Field(
+        4096, ge=16, description="Tokens of KV cache reserved for the target and each minion."
+    )
+    dims: KnownDims | None = Field(
+        None, description="Known dimensions, used when the model's config.json is absent."
+    )
+
+
+class Minion(_Section):
+    """A small draft model (or the n-gram heuristic) that stays resident."""
+
+    name: str | None = Field(None, description="Display name; defaults to the folder name or kind.")
+    kind: Literal["hf", "gguf", "ngram"] = Field("hf", description="What the minion is.")
+    path: str | None = Field(
+        None, description="Model folder/file, same forms as target.path; none for 'ngram'."
+    )
+    backend: Literal["transformers", "llama_cpp", "ngram"] | None = Field(
+        None, description="Runtime; defaults by kind (hf: transformers, gguf: llama_cpp)."
+    )
+    quantization: MinionQuantization = Field(
+        "none", description="Weight storage: bitsandbytes nf4/int8 pay off on CUDA only."
+    )
+    device: Literal["cpu", "cuda"] | None = Field(
+        None, description="Where it runs; defaults to hardware.device."
+    )
+    dtype: DType = Field("bfloat16", description="Compute dtype.")
+    dims: KnownDims | None = Field(
+        None, description="Known dimensions, used when the model's config.json is absent."
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> "Minion":
+        if self.kind == "ngram":
+            if self.path is not None:
+                raise ValueError("an 'ngram' minion has no path")
+        elif not self.path:
+            raise ValueError(f"a '{self.kind}' minion needs a path")
+        if self.backend is None:
+            default = {"hf": "transformers", "gguf": "llama_cpp", "ngram": "ngram"}[self.kind]
+            object.__setattr__(self, "backend", default)
+        if self.name is None:
+            stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(":")[-1] if self.path else "ngram"
+            object.__setattr__(self, "name", stem.removesuffix(".gguf"))
+        return self
+
+
+class Speculation(_Section):
+    """Limits for the token tree the minions grow and the target verifies."""
+
+    adaptive: bool = Field(True, description="Let the cost model pick the budget each step.")
+    budget: int = Field(32, ge=0, description="Draft nodes per step when adaptive is off.")
+    min_budget: int = Field(1, ge=0, description="Smallest tree the adaptive budget may pick.")
+    max_budget: int = Field(256, ge=1, description="Largest tree the adaptive budget may pick.")
+    max_depth: int = Field(16, ge=1, description="Tree levels below the root at most.")
+    width: int = Field(8, ge=1, description="Nodes each minion adds per forward pass while growing.")
+    top_k: int = Field(8, ge=1, description="Children considered per expanded node.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Speculation":
+        if self.min_budget > self.max_budget:
+            raise ValueError(f"min_budget ({self.min_budget}) > max_budget ({self.max_budget})")
+        if not self.adaptive and not self.min_budget <= self.budget <= self.max_budget:
+            raise ValueError(
+                f"budget ({self.budget}) must lie in [min_budget, max_budget] = "
+                f"[{self.min_budget}, {self.max_budget}]"
+            )
+        return self
+
+
+class MatmulSample(_Section):
+    dtype: str = Field(description="Matrix dtype.")
+    size: int = Field(gt=0, description="Square matrix side n (an n x n @ n x n product).")
+    tflops: float = Field(ge=0, description="Achieved TFLOP/s.")
+
+
+class TimingSample(_Section):
+    model: str = Field(description="'target' or a minion's name.")
+    tokens: int = Field(ge=1, description="Tokens per forward (tree width for a minion).")
+    seconds: float = Field(ge=0, description="Seconds per forward (per layer for the target).")
+
+
+class Measurements(_Section):
+    """What autotune measured, kept for the cost model and for the record."""
+
+    tool: str = Field("", description="What produced these numbers (script and version).")
+    when: str = Field("", description="UTC timestamp of the measurement.")
+    disk_read_cached_gbps: float | None = Field(None, description="Disk read from the page cache.")
+    matmul: list[MatmulSample] = Field(default_factory=list, description="Throughput by size/dtype.")
+    grow: list[TimingSample] = Field(
+        default_factory=list, description="Minion forward time by tree width."
+    )
+    target_layer: list[TimingSample] = Field(
+        default_factory=list, description="Target seconds per decoder layer by tokens."
+    )
+
+
+class Profile(_Section):
+    """A machine plus the models it runs, as loaded from one TOML file."""
+
+    name: str = Field(description="Short name (the file's stem for shipped profiles).")
+    description: str = Field("", description="One line shown in the profile picker.")
+    hardware: Hardware = Field(description="The machine.")
+    target: Target = Field(description="The big model.")
+    minions: list[Minion] = Field(default_factory=list, description="The draft models.")
+    speculation: Speculation = Field(default_factory=Speculation, description="Tree limits.")
+    measurements: Measurements | None = Field(None, description="Autotune's raw measurements.")
+
+    _source: str | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> str | None:
+        """The file this profile was read from."""
+        return self._source
+
+    @model_validator(mode="after")
+    def _unique_minion_names(self) -> "Profile":
+        seen: set[str] = set()
+        for m in self.minions:
+            if m.name in seen:
+                raise ValueError(f"two minions are named '{m.name}': give one a 'name'")
+            seen.add(m.name)
+        return self

@@ -1,0 +1,83 @@
+"""Hardware profiles: the public entry points, and a small command line.
+
+    from minions_local.profiles import load_profile, available_profiles, plan_report
+    profile = load_profile("rtx4090-70b")          # or a path to a .toml
+    print(plan_report("rtx4090-70b"))              # what --plan prints
+
+    python -m minions_local.profiles --list
+    python -m minions_local.profiles --plan rtx4090-70b [--target PATH] [--minion PATH ...]
+    python -m minions_local.profiles --schema      # every field, with its description
+
+The implementation lives in `minions_local.profile` (schema, loading, dimensions),
+`minions_local.offload.plan` (memory planner) and `minions_local.speculation.cost`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import MinionsError
+from .profile import Profile, available_profiles, load_profile
+from .projection import plan_report
+
+__all__ = ["Profile", "available_profiles", "load_profile", "plan_report", "schema_reference", "main"]
+
+
+def schema_reference() -> str:
+    """Every profile field with its type, default and description (markdown)."""
+    from pydantic import BaseModel
+
+    from .profile import schema
+
+    sections = [
+        ("hardware", schema.Hardware),
+        ("target", schema.Target),
+        ("target.dims / minions.dims", schema.KnownDims),
+        ("[[minions]]", schema.Minion),
+        ("speculation", schema.Speculation),
+    ]
+    out = ["# Profile fields", ""]
+    for title, model in sections:
+        out += [f"## [{title}]" if not title.startswith("[") else f"## {title}", "", (model.__doc__ or "").strip(), ""]
+        out += ["| field | type | default | meaning |", "|---|---|---|---|"]
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                continue
+            default = "required" if f.is_required() else repr(f.get_default(call_default_factory=True))
+            kind = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            out.append(f"| `{name}` | {kind} | {default} | {f.description or ''} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minions_local.profiles", description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="list available profiles")
+    parser.add_argument("--plan", metavar="PROFILE", help="print the memory plan and predicted tokens/s")
+    parser.add_argument("--target", help="use this target model instead of the profile's")
+    parser.add_argument("--minion", action="append", help="use this minion (repeat; 'ngram' for n-gram)")
+    parser.add_argument("--tier", choices=["device", "ram", "disk"], help="override target.tier")
+    parser.add_argument("--schema", action="store_true", help="print every profile field (markdown)")
+    args = parser.parse_args(argv)
+    try:
+        if args.schema:
+            print(schema_reference())
+        elif args.plan:
+            print(plan_report(args.plan, target=args.target, minions=args.minion, tier=args.tier))
+        else:
+            for name in available_profiles():
+                desc = ""
+                try:
+                    desc = load_profile(name).description
+                except MinionsError as err:
+                    desc = f"(invalid: {str(err).splitlines()[0]})"
+                print(f"{name:<24} {desc}")
+    except MinionsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The offload-aware cost model: how long a step takes, and which tree size pays best.
+
+Pure: a function of (profile timings, model dims, acceptance statistics). No torch.
+
+Verification of a tree of N draft nodes (T = N + 1 tokens with the root) is
+
+    t_verify(N) = max(flat, base + slope * T)
+    flat  = overhead + max(stream, floor)     stream: streamed bytes / link GB/s per tier
+    base  = overhead                          floor:  all weights read once from device memory
+    slope = flops per token / throughput      overhead: per-layer launch cost x layers
+
+i.e. a streamed target costs the same for any tree until compute catches up with the
+weight traffic; that is why large trees pay off. Each minion's forward pass costs
+`base + per_token * width` (its own weight-read floor and launch overhead, then flops);
+growing a tree of depth D takes D passes.
+
+Expected accepted tokens come from `expected_accepted` below: an ESTIMATE from a
+simple tree model, not a measurement. The engine can pass its own calibrated node
+scores instead (`best_verify_size`). Online refinement: `refined(...)` refits the
+coefficients to measured (N, seconds) samples (cost_fit.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Mapping, Sequence
+
+from .cost_fit import fit_hinge, fit_line
+
+Acceptance = float | Sequence[float]
+
+# Chance that the minions' r-th ranked child is the target's token given that ranks
+# 1..r-1 were not: a * SIBLING_DECAY**(r-1). Sequoia/SpecExec report acceptance vectors
+# that fall off about this fast; a stated guess until calibration replaces it.
+SIBLING_DECAY = 0.5
+STEP_OVERHEAD_S = 0.001  # voting, tree packing and bookkeeping per step (Python)
+
+
+@dataclass(frozen=True)
+class VerifyTime:
+    """t(N) = max(flat, base + slope * (N + 1)) seconds for N draft nodes."""
+
+    flat: float
+    base: float
+    slope: float
+
+    def __call__(self, nodes: int) -> float:
+        return max(self.flat, self.base + self.slope * (nodes + 1))
+
+    def fit(self, samples: Sequence[tuple[int, float]], weight: float = 1.0) -> "VerifyTime":
+        """Refit to measured (nodes, seconds) samples, with self as the prior."""
+        pts = [(n + 1, s) for n, s in samples]
+        return VerifyTime(*fit_hinge(pts, (self.flat, self.base, self.slope), weight))
+
+
+@dataclass(frozen=True)
+class GrowTime:
+    """One minion: a forward pass over `width` new nodes costs base + per_token * width."""
+
+    name: str
+    base: float
+    per_token: float
+
+    def pass_seconds(self, width: int) -> float:
+        return self.base + self.per_token * width
+
+    def __call__(self, nodes: int, depth: int, width: int | None = None) -> float:
+        """Growing `nodes` nodes over `depth` levels: one pass per level."""
+        if nodes <= 0 or depth <= 0:
+            return 0.0
+        width = width or math.ceil(nodes / depth)
+        passes = max(depth, math.ceil(nodes / width))
+        return passes * self.pass_seconds(width)
+
+    def fit(self, samples: Sequence[tuple[int, float]], weight: float = 1.0) -> "GrowTime":
+        """Refit to measured (width, seconds per pass) samples, with self as the prior."""
+        base, per_token = fit_line(samples, (self.base, self.per_token), weight)
+        return replace(self, base=base, per_token=per_token)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The tree size the cost model recommends, and what it expects of it."""
+
+    nodes: int
+    depth: int
+    width: int
+    expected_accepted: float
+    """Estimated draft tokens accepted per step (the target's bonus token not counted)."""
+    t_grow: float
+    t_verify: float
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.expected_accepted + 1
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / (self.t_grow + self.t_verify)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step-time predictions for one machine and one set of models."""
+
+    verify: VerifyTime
+    grow: tuple[GrowTime, ...] = ()
+    step_overhead: float = STEP_OVERHEAD_S
+    parts: Mapping[str, float] = field(default_factory=dict)
+    """How the prior was built (seconds): stream_ram, stream_disk, floor, overhead, slope."""
+
+    # -- predictions -------------------------------------------------------------------
+    def t_verify(self, nodes: int) -> float:
+        return self.verify(nodes)
+
+    def t_grow(self, nodes: int, depth: int, width: int | None = None) -> float:
+        """All minions grow in turn (they share the device), then the vote."""
+        if nodes <= 0:
+            return 0.0
+        return self.step_overhead + sum(g(nodes, depth, width) for g in self.grow)
+
+    def predict_tokens_per_second(
+        self, acceptance: Acceptance, nodes: int, *, max_depth: int = 16, top_k: int = 8
+    ) -> float:
+        """Tokens/s at a fixed budget of `nodes`, for an acceptance rate (or one per depth)."""
+        gains, depths = expected_accepted(_key(acceptance), nodes, max_depth, top_k)
+        n = min(nodes, len(gains) - 1)
+        t = self.t_grow(n, depths[n]) + self.t_verify(n)
+        return (gains[n] + 1) / t
+
+    def best_budget(
+        self,
+        acceptance: Acceptance,
+        *,
+        min_nodes: int = 1,
+        max_nodes: int = 256,
+        max_depth: int = 16,
+        top_k: int = 8,
+    ) -> BudgetChoice:
+        """The (nodes, depth) maximising E[accepted + 1] / (t_grow + t_verify).
+
+        Depth caps are searched too: a shallower tree needs fewer minion passes, which
+        matters when growing is not cheap next to verifying.
+        """
+        key = _key(acceptance)
+        t_verify = [self.t_verify(n) for n in range(max_nodes + 1)]
+        # t_grow inlined: with width = ceil(n / d), every minion makes d passes.
+        base = sum(g.base for g in self.grow)
+        per_token = sum(g.per_token for g in self.grow)
+        best_rate, best_n, best_cap = -1.0, 0, 1
+        for cap in _depth_caps(max_depth):
+            gains, depths = expected_accepted(key, max_nodes, cap, top_k)
+            for n in range(min(min_nodes, len(gains) - 1), len(gains)):
+                d = depths[n]
+                grow = self.step_overhead + d * (base + per_token * -(-n // d)) if n else 0.0
+                rate = (gains[n] + 1) / (grow + t_verify[n])
+                if rate > best_rate * (1 + 1e-9):
+                    best_rate, best_n, best_cap = rate, n, cap
+        gains, depths = expected_accepted(key, max_nodes, best_cap, top_k)
+        return self._choice(best_n, depths[best_n], gains[best_n])
+
+    def best_verify_size(
+        self, path_scores: Sequence[float], depths: Sequence[int], t_grow_spent: float = 0.0
+    ) -> int:
+        """How many nodes of an already grown tree to verify.
+
+        path_scores: the calibrated probability that each node's path is accepted,
+        best first (a parent always before its child); depths: each node's depth.
+        Growing is already paid for, so only t_verify varies with the choice.
+        """
+        best_n, best_rate, gain = 0, 1.0 / (t_grow_spent + self.t_verify(0)), 0.0
+        for i, score in enumerate(path_scores):
+            gain += score
+            rate = (gain + 1) / (t_grow_spent + self.t_verify(i + 1))
+            if rate > best_rate:
+                best_n, best_rate = i + 1, rate
+        return best_n
+
+    def _choice(self, nodes: int, depth: int, gain: float) -> BudgetChoice:
+        width = math.ceil(nodes / depth) if depth else 0
+        return BudgetChoice(
+            nodes=nodes,
+            depth=depth,
+            width=width,
+            expected_accepted=gain,
+            t_grow=self.t_grow(nodes, depth, width or None),
+            t_verify=self.t_verify(nodes),
+        )
+
+    # -- refinement ------------------------------------------------------------------
+    def refined(
+        self,
+        verify_samples: Sequence[tuple[int, float]] = (),
+        grow_samples: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+        weight: float = 1.0,
+    ) -> "CostModel":
+        """A new model fitted to measurements, this one as the prior.
+
+        verify_samples: (draft nodes, t_verify seconds) per step.
+        grow_samples: per minion name, (width, seconds per forward pass).
+        weight: how many samples' worth the prior counts for.
+        """
+        verify = self.verify.fit(verify_samples, weight) if verify_samples else self.verify
+        grow_samples = grow_samples or {}
+        grow = tuple(
+            g.fit(grow_samples[g.name], weight) if grow_samples.get(g.name) else g for g in self.grow
+        )
+        return replace(self, verify=verify, grow=grow)
+
+    # -- construction ----------------------------------------------------------------
+    @classmethod
+    def from_profile(cls, profile, plan=None, *, context: int = 1024) -> "CostModel":
+        """Prior coefficients from a profile and its memory plan (planned if not given)."""
+        from .cost_prior import cost_model_from_profile
+
+        return cost_model_from_profile(profile, plan, context=context)
+
+
+# -- the acceptance estimate ---------------------------------------------------------------
+
+
+def _key(acceptance: Acceptance) -> tuple[float, ...]:
+    """A hashable acceptance vector, rounded to 0.01 (an estimate; keeps the cache hot)."""
+    values = (acceptance,) if isinstance(acceptance, (int, float)) else tuple(acceptance)
+    if not values:
+        raise ValueError("acceptance needs at least one rate")
+    return tuple(min(max(round(float(a), 2), 0.0), 0.999) for a in values)
+
+
+def _depth_caps(max_depth: int) -> list[int]:
+    caps = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_depth}
+    return sorted(c for c in caps if c <= max_depth)
+
+
+@lru_cache(maxsize=256)
+def expected_accepted(
+    acceptance: tuple[float, ...], max_nodes: int, max_depth: int = 16, top_k: int = 8,
+    sibling_decay: float = SIBLING_DECAY,
+) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """ESTIMATE of accepted draft tokens for the best tree of n nodes, n = 0..max_nodes.
+
+    Model: at depth d the minions' top-ranked child is the target's token with
+    probability a_d (acceptance[d-1], the last rate repeating); the r-th ranked child,
+    given that ranks before it were not, with a_d * sibling_decay**(r-1). A node is
+    accepted iff every node on its path is, so E[accepted] = sum over the tree's nodes
+    of their path probabilities, and the best n-node tree holds the n most probable
+    nodes: found best-first, as SpecExec grows its trees.
+
+    Returns (gains, depths): gains[n] = E[accepted] and depths[n] = tree depth for the
+    best n-node tree. May stop early when no node is left (max_depth x top_k bound).
+    """
+    def rank_prob(depth: int, rank: int) -> float:
+        a = acceptance[min(depth, len(acceptance)) - 1]
+        miss = 1.0
+        for r in range(1, rank):
+            miss *= 1.0 - a * sibling_decay ** (r - 1)
+        return a * sibling_decay ** (rank - 1) * miss
+
+    gains, depths = [0.0], [0]
+    # heap entries: (-path prob, parent's path prob, depth, rank among siblings)
+    heap = [(-rank_prob(1, 1), 1.0, 1, 1)]
+    while heap and len(gains) <= max_nodes:
+        neg, parent_p, depth, rank = heapq.heappop(heap)
+        p = -neg
+        gains.append(gains[-1] + p)
+        depths.append(max(depths[-1], depth))
+        if depth < max_depth:
+            heapq.heappush(heap, (-p * rank_prob(depth + 1, 1), p, depth + 1, 1))
+        if rank < top_k:
+            heapq.heappush(heap, (-parent_p * rank_prob(depth, rank + 1), parent_p, depth, rank + 1))
+    return tuple(gains), tuple(depths)

@@ -1,0 +1,87 @@
+"""Refining the cost model's few coefficients from measured step times.
+
+Both fits are least squares on *relative* error (a 10 ms miss matters on a 50 ms step,
+not on a 2 s one), with a ridge pull toward the prior coefficients that the profile
+predicted. With few samples, or samples that say nothing about a coefficient (all
+trees small, so the compute slope is never seen), the prior holds; with many
+consistent samples the data wins. Pure numpy-free Python: the systems are 1x1 and 2x2.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+# How many samples' worth of confidence the prior carries (per coefficient).
+PRIOR_WEIGHT = 1.0
+_EPS = 1e-6  # seconds: the scale for a prior coefficient of zero
+
+
+def _solve_line(
+    xs: Sequence[float], ys: Sequence[float], prior: tuple[float, float], weight: float
+) -> tuple[float, float]:
+    """Fit y = a + b*x minimising sum(((y - a - b x)/y)^2) + ridge toward prior (a0, b0)."""
+    a0, b0 = prior
+    # Ridge terms, in relative units: weight * ((a - a0)/sa)^2 with sa = max(|a0|, eps).
+    ra = weight / max(abs(a0), _EPS) ** 2
+    rb = weight / max(abs(b0), _EPS / max(max(xs, default=1.0), 1.0)) ** 2
+    saa, sab, sbb, sa, sb = ra, 0.0, rb, ra * a0, rb * b0
+    for x, y in zip(xs, ys):
+        w = 1.0 / max(y, _EPS) ** 2
+        saa += w
+        sab += w * x
+        sbb += w * x * x
+        sa += w * y
+        sb += w * x * y
+    det = saa * sbb - sab * sab
+    if abs(det) < 1e-30:
+        return a0, b0
+    a = (sa * sbb - sb * sab) / det
+    b = (saa * sb - sab * sa) / det
+    return max(a, 0.0), max(b, 0.0)
+
+
+def fit_line(
+    samples: Iterable[tuple[float, float]], prior: tuple[float, float], weight: float = PRIOR_WEIGHT
+) -> tuple[float, float]:
+    """(a, b) of y = a + b*x from (x, y) samples, pulled toward `prior`."""
+    pts = [(float(x), float(y)) for x, y in samples if y > 0]
+    if not pts:
+        return prior
+    xs, ys = zip(*pts)
+    return _solve_line(xs, ys, prior, weight)
+
+
+def fit_hinge(
+    samples: Iterable[tuple[float, float]],
+    prior: tuple[float, float, float],
+    weight: float = PRIOR_WEIGHT,
+    rounds: int = 8,
+) -> tuple[float, float, float]:
+    """(flat, base, slope) of y = max(flat, base + slope*x) from (x, y) samples.
+
+    Alternates: assign each sample to the flat or the sloped piece under the current
+    coefficients, then refit each piece by weighted ridge least squares.
+    """
+    pts = [(float(x), float(y)) for x, y in samples if y > 0]
+    flat, base, slope = prior
+    if not pts:
+        return prior
+    for _ in range(rounds):
+        on_flat = [(x, y) for x, y in pts if flat >= base + slope * x]
+        on_slope = [(x, y) for x, y in pts if flat < base + slope * x]
+        rf = weight / max(prior[0], _EPS) ** 2
+        num, den = rf * prior[0], rf
+        for _, y in on_flat:
+            w = 1.0 / y**2
+            num += w * y
+            den += w
+        new_flat = num / den
+        if on_slope:
+            xs, ys = zip(*on_slope)
+            new_base, new_slope = _solve_line(xs, ys, prior[1:], weight)
+        else:
+            new_base, new_slope = prior[1], prior[2]
+        if (new_flat, new_base, new_slope) == (flat, base, slope):
+            break
+        flat, base, slope = new_flat, new_base, new_slope
+    return flat, base, slope

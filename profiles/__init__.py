@@ -1,0 +1,1 @@
+"""Shipped hardware profiles (TOML), installed as minions_local.profiles_data."""

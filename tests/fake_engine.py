@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +61,10 @@ class FakeEngine:
         gate_after: int | None = None,
         fail_after: int | None = None,
         fail_with: Exception | None = None,
+        pass_delay: float = 0.0,
     ) -> None:
+        self.pass_delay = pass_delay
+        """Seconds each fake target pass takes (0 in tests; >0 to watch it stream)."""
         self.reply = reply
         self.completion = completion
         self.profile_name = profile_name
@@ -106,6 +110,8 @@ class FakeEngine:
                 if self.gate_after is not None and n == self.gate_after:
                     self.waiting.set()
                     self.gate.wait(10)
+                if self.pass_delay:
+                    time.sleep(self.pass_delay)
                 if self.fail_after is not None and n == self.fail_after:
                     raise self.fail_with or RuntimeError("fake failure")
                 chunk = words[done : done + 1 + n % 4]

@@ -18,7 +18,7 @@ from textual.widgets import Footer, Header
 from textual.worker import Worker, get_current_worker
 
 from ..errors import MinionsError
-from .bridge import DEFAULT_PROFILE, EngineFactory, drive, load_engine, unexpected
+from .bridge import DEFAULT_PROFILE, EngineFactory, deferred, drive, load_engine, request_stop, unexpected
 from .commands import is_command
 from .messages import (
     EngineFailed,
@@ -103,6 +103,7 @@ class ChatApp(SlashCommands, App[None]):
         self._reply: AssistantMessage | None = None
         self._generation: Worker | None = None
         self._loading: LoadingPanel | None = None
+        self._load_failed = False
         self._last_interrupt = -QUIT_WINDOW
 
     # ---- layout -------------------------------------------------------------------
@@ -156,6 +157,7 @@ class ChatApp(SlashCommands, App[None]):
 
     async def _start_loading(self, profile: str, overrides: dict[str, Any]) -> None:
         self.engine = None
+        self._load_failed = False
         self.profile = profile
         self._update_subtitle()
         self._loading = LoadingPanel(profile)
@@ -218,6 +220,7 @@ class ChatApp(SlashCommands, App[None]):
         await self._say(Note(plan, title=f"memory plan · {self.profile}", kind="plan"))
 
     async def on_engine_failed(self, message: EngineFailed) -> None:
+        self._load_failed = True
         if self._loading is not None:
             await self._loading.remove()
             self._loading = None
@@ -247,7 +250,10 @@ class ChatApp(SlashCommands, App[None]):
             return
         if self.engine is None:
             self.prompt.text = text
-            self.notify("The model is still loading; your message is kept in the box.", severity="warning")
+            if self._load_failed:
+                self.notify("No model is loaded: /profile NAME loads another profile.", severity="error")
+            else:
+                self.notify("The model is still loading; your message is kept in the box.", severity="warning")
             return
         await self._send(text)
 
@@ -273,14 +279,10 @@ class ChatApp(SlashCommands, App[None]):
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def _generate(self, engine: Any, messages: list[dict[str, str]], max_new_tokens: int, temperature: float) -> None:
         worker = get_current_worker()
-
-        def events():
-            yield from engine.stream_chat(
-                messages, max_new_tokens=max_new_tokens, temperature=temperature
-            )
-
         outcome = drive(
-            events(),
+            deferred(
+                lambda: engine.stream_chat(messages, max_new_tokens=max_new_tokens, temperature=temperature)
+            ),
             on_text=lambda text: self.post_message(ReplyDelta(text)),
             on_step=lambda stats, tree: self.post_message(StatsUpdated(stats, tree)),
             cancelled=lambda: worker.is_cancelled,
@@ -348,6 +350,7 @@ class ChatApp(SlashCommands, App[None]):
     def action_stop(self) -> None:
         if self.generating and self._generation is not None:
             self._generation.cancel()
+            request_stop(self.engine)
             if self._reply is not None:
                 self._reply.footer.update("stopping after this pass…")
 

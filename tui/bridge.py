@@ -8,6 +8,7 @@ cancellation flag between events, and always closes the generator.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,14 +48,50 @@ def overrides_from(target: str | None, minions: list[str] | None) -> dict[str, A
     return out
 
 
+def log_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_log_dir("minions-local", appauthor=False)) / "minions-chat.log"
+
+
+def _file_logger() -> logging.Logger:
+    """Tracebacks go to a file: printing them would tear up the full-screen app."""
+    if not log.handlers:
+        log.propagate = False
+        try:
+            path = log_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handler: logging.Handler = logging.FileHandler(path, encoding="utf-8")
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        except OSError:
+            handler = logging.NullHandler()
+        log.addHandler(handler)
+    return log
+
+
 def unexpected(err: BaseException, doing: str) -> str:
     """A readable message for an error that is not a `MinionsError` (a bug); the
-    traceback goes to the log, not to the screen."""
-    log.error("unexpected error while %s", doing, exc_info=err)
+    traceback goes to the log file, not to the screen."""
+    _file_logger().error("unexpected error while %s", doing, exc_info=err)
     return (
         f"Unexpected error while {doing}: {type(err).__name__}: {err}. "
-        "This is a bug in minions-local; please report it with the steps that led here."
+        f"This is a bug in minions-local; the details are in {log_path()}."
     )
+
+
+def deferred(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """Open the engine's stream lazily, so that request errors the engine raises
+    before any work (context overflow, bad arguments) reach `drive` like the rest;
+    closing this generator closes the engine's."""
+    yield from start()
+
+
+def request_stop(engine: Any) -> None:
+    """Also tell the engine itself (when it can hear it) so a stop during prefill
+    does not wait for a first pass."""
+    cancel = getattr(engine, "cancel", None)
+    if callable(cancel):
+        cancel()
 
 
 @dataclass
@@ -109,6 +146,6 @@ def drive(
             try:
                 close()
             except Exception as err:
-                log.error("closing the generation failed", exc_info=err)
+                _file_logger().error("closing the generation failed", exc_info=err)
     assert outcome is not None
     return outcome

@@ -9,13 +9,15 @@ passes instead of tearing through the engine; a second Ctrl+C quits.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..errors import MinionsError
 from ..events import LoadProgress
-from .bridge import EngineFactory, Outcome, drive, unexpected
+from .bridge import EngineFactory, Outcome, deferred, drive, request_stop, unexpected
 from .commands import CommandError, is_command, parse_command
 from .stats import format_bytes
 from .store import Conversation, ConversationStore
@@ -91,12 +93,12 @@ def _load(profile: str, overrides: dict[str, Any], factory: EngineFactory, io: P
     return engine
 
 
-def _generate(events: Any, io: PlainIO) -> Outcome:
+def _generate(engine: Any, start: Callable[[], Any], io: PlainIO) -> Outcome:
     """Drive the stream on a helper thread; the first Ctrl+C asks it to stop."""
     cancel = threading.Event()
     box: list[Outcome] = []
     worker = threading.Thread(
-        target=lambda: box.append(drive(events, on_text=io.out, cancelled=cancel.is_set)),
+        target=lambda: box.append(drive(deferred(start), on_text=io.out, cancelled=cancel.is_set)),
         name="minions-generate",
         daemon=True,
     )
@@ -108,6 +110,7 @@ def _generate(events: Any, io: PlainIO) -> Outcome:
             if cancel.is_set():
                 raise
             cancel.set()
+            request_stop(engine)
             io.err(" [stopping…]", end="")
     return box[0]
 
@@ -121,7 +124,8 @@ def _complete_stdin(engine: Any, conversation: Conversation, io: PlainIO) -> int
         return 2
     try:
         outcome = _generate(
-            engine.stream(
+            engine,
+            lambda: engine.stream(
                 prompt,
                 max_new_tokens=conversation.max_new_tokens,
                 temperature=conversation.temperature,
@@ -138,13 +142,23 @@ def _complete_stdin(engine: Any, conversation: Conversation, io: PlainIO) -> int
     return 0
 
 
+def _read_line(io: PlainIO, prompt: str) -> str:
+    if io.stdin is sys.stdin and io.stdout is sys.stdout:
+        return input(prompt)  # readline editing and history on a real terminal
+    io.out(prompt)
+    line = io.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
 def _read_message(io: PlainIO) -> str | None:
     """One message; a trailing backslash continues it on the next line. None at EOF."""
     lines: list[str] = []
     prompt = ">>> "
     while True:
         try:
-            line = input(prompt)
+            line = _read_line(io, prompt)
         except EOFError:
             return None if not lines else "\n".join(lines)
         if line.endswith("\\"):
@@ -178,9 +192,11 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
         if text.startswith("//"):
             text = text[1:]
         conversation.messages.append({"role": "user", "content": text})
+        messages = conversation.engine_messages()
         outcome = _generate(
-            engine.stream_chat(
-                conversation.engine_messages(),
+            engine,
+            lambda: engine.stream_chat(
+                messages,
                 max_new_tokens=conversation.max_new_tokens,
                 temperature=conversation.temperature,
             ),

@@ -130,15 +130,16 @@ def render_stats(
 ) -> Group:
     """The live stats panel: speed, tree, streaming, minion shares, memory per tier."""
     speed = Table.grid(padding=(0, 1))
+    speed.add_column(style="dim", no_wrap=True, min_width=10)
+    speed.add_column(justify="right", no_wrap=True, style="bold", min_width=7)
     speed.add_column(style="dim", no_wrap=True)
-    speed.add_column(justify="right", no_wrap=True)
-    speed.add_row("speed", f"{stats.tokens_per_second:.1f} tok/s")
-    speed.add_row("per pass", f"{stats.tokens_per_pass:.2f} tok")
-    speed.add_row("tree size", f"{stats.last_tree_size} nodes")
-    speed.add_row("tree depth", str(stats.last_depth))
-    speed.add_row("stream", f"{stats.stream_gbps:.2f} GB/s")
-    speed.add_row("passes", str(stats.passes))
-    speed.add_row("tokens", str(stats.new_tokens))
+    speed.add_row("speed", f"{stats.tokens_per_second:.1f}", "tok/s")
+    speed.add_row("per pass", f"{stats.tokens_per_pass:.2f}", "tokens")
+    speed.add_row("tree size", str(stats.last_tree_size), f"nodes, depth {stats.last_depth}")
+    speed.add_row("mean tree", f"{stats.mean_tree_size:.1f}", "nodes")
+    speed.add_row("stream", f"{stats.stream_gbps:.2f}", "GB/s")
+    speed.add_row("passes", str(stats.passes), "")
+    speed.add_row("tokens", str(stats.new_tokens), "")
 
     shares = Table.grid(padding=(0, 1))
     shares.add_column(no_wrap=True)
@@ -153,8 +154,8 @@ def render_stats(
         )
 
     tiers = Table.grid(padding=(0, 1))
-    tiers.add_column(style="dim", no_wrap=True)
-    tiers.add_column(justify="right", no_wrap=True)
+    tiers.add_column(style="dim", no_wrap=True, min_width=10)
+    tiers.add_column(justify="right", no_wrap=True, min_width=9)
     for tier, size in memory.items():
         tiers.add_row(tier, format_bytes(size))
 

@@ -1,0 +1,219 @@
+"""Where streamed layers live, and the prefetch pipeline that brings them to compute.
+
+`LayerStore` owns K compute-side buffers. Streamed layer j (in execution order) always
+lands in buffer j % K. Before layer j runs, `acquire(j)` waits for its fetch and starts
+the fetch of layer j+K-1 into the buffer that layer j-1 just released; so while one
+layer computes, the next K-1 are in flight. After the last layer of a pass the first K
+layers of the next pass are fetched, overlapping the lm_head, sampling and the
+minions' work.
+
+Fetching, by tier and device:
+
+| source | CPU compute                               | CUDA compute                                    |
+|--------|-------------------------------------------|-------------------------------------------------|
+| ram    | reader thread: memcpy into the buffer     | pinned RAM -> device on a copy stream + events  |
+| disk   | reader thread: O_DIRECT read into buffer  | reader thread: O_DIRECT into a pinned staging   |
+|        |                                           | buffer, then a copy-stream copy to the device   |
+
+On CPU the RAM tier is as fast as resident weights would be; the copy is kept so the
+pipeline (and what it costs) is the same one a GPU box runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from minions_local.offload.disk import PackReader
+from minions_local.offload.layout import LayerLayout, aligned_empty
+
+MEMCPY_CHUNK = 64 << 20
+
+
+@dataclass
+class StreamStats:
+    """Counters the engine reads around each target pass (diff `bytes_streamed` per pass)."""
+
+    bytes_streamed: int = 0
+    """Cumulative weight bytes brought to the compute side for streamed layers."""
+    seconds_waiting: float = 0.0
+    """Cumulative seconds the compute side waited for a layer that was not there yet
+    (host side; on CUDA the copy-stream waits are asynchronous and not counted)."""
+    layers_streamed: int = 0
+    passes: int = 0
+    bytes_per_pass: int = 0
+    """Bytes one full pass streams (all streamed layers), fixed at load time."""
+    read_mode: str = ""
+    """How the disk tier reads: 'o_direct', 'fadvise' (page cache dropped after reads), or ''."""
+    warnings: list[str] = field(default_factory=list)
+    """Fallbacks taken at load time (also sent to logging.warning)."""
+
+    def reset(self) -> None:
+        """Zero the counters (not the load-time facts or warnings)."""
+        self.bytes_streamed = 0
+        self.seconds_waiting = 0.0
+        self.layers_streamed = 0
+        self.passes = 0
+
+
+class RamSource:
+    """A packed layer held in host RAM (pinned when the compute device is CUDA)."""
+
+    tier = "ram"
+
+    def __init__(self, layout: LayerLayout, data: torch.Tensor) -> None:
+        self.layout = layout
+        self.data = data
+
+    def read_into(self, buffer: torch.Tensor) -> None:
+        n = self.layout.nbytes
+        dst, src = buffer.data_ptr(), self.data.data_ptr()
+        # ctypes releases the GIL and stays on one core, so compute keeps the others.
+        for off in range(0, n, MEMCPY_CHUNK):
+            ctypes.memmove(dst + off, src + off, min(MEMCPY_CHUNK, n - off))
+
+    def close(self) -> None:
+        pass
+
+
+class DiskSource:
+    """A packed layer in a pack file, read with O_DIRECT."""
+
+    tier = "disk"
+
+    def __init__(self, layout: LayerLayout, reader: PackReader) -> None:
+        self.layout = layout
+        self.reader = reader
+
+    def read_into(self, buffer: torch.Tensor) -> None:
+        self.reader.read_into(buffer)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+LayerSource = RamSource | DiskSource
+
+
+class LayerStore:
+    """K compute-side buffers fed by a prefetch pipeline over the streamed layers."""
+
+    def __init__(self, sources: Sequence[LayerSource], *, device: torch.device, buffers: int, stats: StreamStats) -> None:
+        if buffers < 1:
+            raise ValueError("buffers must be at least 1")
+        self.sources = list(sources)
+        self.device = device
+        self.k = min(buffers, max(1, len(self.sources)))
+        self.stats = stats
+        size = max((s.layout.padded_nbytes for s in self.sources), default=0)
+        self.cuda = device.type == "cuda"
+        self.buffers = [aligned_empty(size, device=device) for _ in range(self.k)]
+        self._staging: list[torch.Tensor] = []
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device=device)
+            self.ready = [torch.cuda.Event() for _ in range(self.k)]
+            self.released = [torch.cuda.Event() for _ in range(self.k)]
+            if any(s.tier == "disk" for s in self.sources):
+                self._staging = [aligned_empty(size, pin=True) for _ in range(self.k)]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-reader")
+        self._pending: dict[int, Future] = {}
+        self._next_submit = 0
+        self._cursor = 0
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def buffer_for(self, j: int) -> torch.Tensor:
+        return self.buffers[j % self.k]
+
+    # -- the pipeline -------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """Called before the first layer of a forward pass."""
+        if self._cursor != 0:  # the previous pass stopped midway (an exception)
+            self._drain()
+        self._submit_until(self.k)
+        self.stats.passes += 1
+
+    def acquire(self, j: int) -> torch.Tensor:
+        """Buffer holding streamed layer j, ready for the compute stream."""
+        if j != self._cursor:
+            self._drain()
+            self._cursor = self._next_submit = j
+        self._submit_until(j + 1)
+        if j not in self._pending:  # its earlier fetch failed and was consumed
+            self._pending[j] = self._submit(j)
+        fut = self._pending.pop(j)
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()
+            self.stats.seconds_waiting += time.perf_counter() - t0
+        else:
+            fut.result()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[j % self.k])
+        self.stats.bytes_streamed += self.sources[j].layout.nbytes
+        self.stats.layers_streamed += 1
+        return self.buffer_for(j)
+
+    def release(self, j: int) -> None:
+        """Layer j finished computing: its buffer may be refilled."""
+        if self.cuda:
+            self.released[j % self.k].record(torch.cuda.current_stream(self.device))
+        self._cursor = j + 1
+        if self._cursor == len(self.sources):
+            self._cursor = self._next_submit = 0
+            self._submit_until(self.k)  # the next pass's first layers
+        else:
+            self._submit_until(j + self.k + 1)  # into the buffer layer j just gave back
+
+    def _submit_until(self, stop: int) -> None:
+        stop = min(stop, len(self.sources))
+        while self._next_submit < stop:
+            j = self._next_submit
+            if j not in self._pending:
+                self._pending[j] = self._submit(j)
+            self._next_submit += 1
+
+    def _submit(self, j: int) -> Future:
+        source, k = self.sources[j], j % self.k
+        if not self.cuda:
+            return self._pool.submit(source.read_into, self.buffers[k])
+        if source.tier == "ram":  # enqueueing an async copy is cheap: no thread needed
+            fut: Future = Future()
+            self._copy_to_device(source.data, k, source.layout.padded_nbytes)
+            fut.set_result(None)
+            return fut
+        return self._pool.submit(self._disk_to_device, source, k)
+
+    def _disk_to_device(self, source: DiskSource, k: int) -> None:
+        self.ready[k].synchronize()  # the last copy out of this staging buffer is done
+        staging = self._staging[k]
+        source.read_into(staging)
+        self._copy_to_device(staging, k, source.layout.padded_nbytes)
+
+    def _copy_to_device(self, host: torch.Tensor, k: int, n: int) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.released[k])
+            self.buffers[k][:n].copy_(host[:n], non_blocking=True)
+            self.ready[k].record(self.copy_stream)
+
+    def _drain(self) -> None:
+        for fut in self._pending.values():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - a failed prefetch is re-raised when re-fetched
+                pass
+        self._pending.clear()
+        self._cursor = self._next_submit = 0
+
+    def close(self) -> None:
+        self._drain()
+        self._pool.shutdown(wait=True)
+        for s in self.sources:
+            s.close()

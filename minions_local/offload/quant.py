@@ -1,0 +1,90 @@
+"""Weight quantization for streamed layers: fewer bytes per pass, same compute dtype.
+
+A streamed layer moves as packed integers plus scales and is dequantized on the
+compute side, right before it runs, into the compute dtype. Only 2-D weights (the
+linear projections) are quantized; norms and biases stay in the compute dtype.
+
+- ``int8``: symmetric, one scale per output channel (row), q in [-127, 127].
+- ``int4``: symmetric, one scale per group of ``group_size`` input columns,
+  q in [-8, 7], two values per byte (even column in the low nibble).
+
+Scales are stored in the compute dtype and the integers are computed from the
+*stored* scale, so `dequantize` is the only definition of the weights the model
+runs with: a reference model built with `dequantize_weight` is exactly the
+streamed model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANT_MODES = ("none", "int8", "int4")
+INT4_GROUP = 64
+
+
+def quantizable(name: str, tensor: torch.Tensor) -> bool:
+    """Linear weights only: 2-D, named `.weight`, and wide enough to be worth it."""
+    return name.endswith("weight") and tensor.ndim == 2 and min(tensor.shape) >= 8
+
+
+def int4_group_size(in_features: int, preferred: int = INT4_GROUP) -> int:
+    """The largest even group size <= preferred that divides the row (row = one group otherwise)."""
+    for g in range(preferred, 1, -2):
+        if in_features % g == 0:
+            return g
+    return in_features
+
+
+def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Quantize a [out, in] weight; returns the pieces to store ('q', 'scale')."""
+    w32 = w.detach().to(torch.float32)
+    tiny = torch.finfo(dtype).tiny
+    if mode == "int8":
+        scale = (w32.abs().amax(dim=1) / 127.0).clamp_min(tiny).to(dtype)
+        q = torch.round(w32 / scale.to(torch.float32)[:, None]).clamp_(-127, 127).to(torch.int8)
+        return {"q": q.contiguous(), "scale": scale.contiguous()}
+    if mode == "int4":
+        out_f, in_f = w32.shape
+        if in_f % 2:
+            raise ValueError(f"int4 needs an even number of input columns, got {in_f}")
+        g = int4_group_size(in_f)
+        grouped = w32.reshape(out_f, in_f // g, g)
+        scale = (grouped.abs().amax(dim=2) / 7.0).clamp_min(tiny).to(dtype)
+        q = torch.round(grouped / scale.to(torch.float32)[..., None]).clamp_(-8, 7)
+        q = (q.to(torch.int16) + 8).to(torch.uint8).reshape(out_f, in_f)
+        packed = q[:, 0::2] | (q[:, 1::2] << 4)
+        return {"q": packed.contiguous(), "scale": scale.contiguous()}
+    raise ValueError(f"unknown quantization {mode!r}; use one of {QUANT_MODES}")
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
+    """Write the weight that `quantize_weight` stands for into `out` ([out, in], compute dtype)."""
+    dtype = out.dtype
+    if mode == "int8":
+        torch.mul(q.to(dtype), scale.to(dtype)[:, None], out=out)
+        return out
+    if mode == "int4":
+        out_f, in_f = out.shape
+        n_groups = scale.shape[1]
+        lo = (q & 0x0F).to(torch.int8) - 8
+        hi = (q >> 4).to(torch.int8) - 8
+        values = torch.stack((lo, hi), dim=-1).reshape(out_f, n_groups, in_f // n_groups)
+        torch.mul(values.to(dtype), scale.to(dtype)[..., None], out=out.view(out_f, n_groups, -1))
+        return out
+    raise ValueError(f"unknown quantization {mode!r}")
+
+
+def dequantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor:
+    """Round trip through the stored form: the weight a quantized streamed model runs with."""
+    if mode == "none":
+        return w.to(dtype)
+    pieces = quantize_weight(w, mode, dtype)
+    out = torch.empty(w.shape, dtype=dtype)
+    return dequantize(pieces["q"], pieces["scale"], mode, out)
+
+
+def stored_pieces(name: str, tensor: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What one parameter becomes in a pack: {'': tensor} or {'q': ..., 'scale': ...}."""
+    if mode != "none" and quantizable(name, tensor):
+        return quantize_weight(tensor, mode, dtype)
+    return {"": tensor.detach().to(dtype).contiguous()}

@@ -1,0 +1,400 @@
+"""A transformers causal LM whose decoder layers stream in for every forward pass.
+
+The model is an ordinary `AutoModelForCausalLM` (Llama, Qwen2, Mistral, anything with
+`model.model.layers`), so the engine calls it exactly like a resident one, tree masks,
+position ids and DynamicCache included. What differs is where each decoder layer's
+weights live (`layer_tiers`: 'device' | 'ram' | 'disk'):
+
+- 'device': ordinary resident parameters (or, when quantized, a resident packed
+  buffer dequantized before each use, so the plan never changes the model's outputs);
+- 'ram' / 'disk': a packed buffer in host RAM or a pack file; a forward pre-hook
+  waits for the layer's fetch (`LayerStore.acquire`), points the layer's parameters
+  at views into the compute-side buffer (dequantizing first when quantized), and a
+  forward hook points them back at an empty placeholder and frees the buffer.
+
+Embeddings, the final norm and the lm_head always stay resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minions_local.errors import MemoryPlanError, ModelLoadError
+from minions_local.events import LoadProgress
+from minions_local.offload.checkpoint import Checkpoint, folder_key
+from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
+from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
+from minions_local.offload.layout import LayerLayout, aligned_empty, dtype_from_name, pack_layer, plan_layout, round_up
+from minions_local.offload.quant import QUANT_MODES, dequantize
+from minions_local.offload.skeleton import decoder_layers, load_resident_parts, skeleton_model
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "ram", "disk")
+RAM_MARGIN = 1 << 30
+"""RAM left free for KV caches, activations and the rest of the system."""
+
+
+def load_streamed_causal_lm(
+    path: str | os.PathLike,
+    *,
+    tier: str = "ram",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    layer_tiers: Sequence[str] | None = None,
+    quant: str = "none",
+    buffers: int = 2,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Callable[[LoadProgress], None] | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[nn.Module, StreamStats]:
+    """Load an HF causal LM whose decoder layers stream from RAM or disk.
+
+    Args:
+        path: HF model folder (config.json + *.safetensors).
+        tier: where decoder layers live when `layer_tiers` is None: 'ram' or 'disk'
+            ('device' loads a plain resident model through the same code path).
+        dtype: compute dtype (torch dtype or its name, e.g. 'bfloat16').
+        device: compute device, 'cpu' or 'cuda[:n]'.
+        layer_tiers: one of 'device' | 'ram' | 'disk' per decoder layer, from the
+            memory plan (`MemoryPlan.layer_tiers`); overrides `tier`.
+        quant: 'none' | 'int8' | 'int4': how decoder-layer weights are stored and
+            moved; dequantized into `dtype` before each layer runs (all layers, also
+            resident ones, so outputs do not depend on the plan).
+        buffers: K compute-side layer buffers (K-1 layers in flight while one computes).
+        cache_dir: folder for the disk tier's layer packs (default: the user cache).
+        progress: called with `LoadProgress` while layers are packed and placed.
+        attn_implementation: passed to transformers ('sdpa' default, 'eager').
+
+    Returns:
+        (model, stats): the model in eval mode, and its live `StreamStats`.
+    """
+    device = torch.device(device)
+    dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    if quant not in QUANT_MODES:
+        raise ModelLoadError(f"unknown quantization {quant!r}; use one of {', '.join(QUANT_MODES)}.")
+    if buffers < 1:
+        raise MemoryPlanError(f"buffers={buffers}: streaming needs at least one layer buffer.")
+    folder = Path(path)
+    ckpt = Checkpoint(folder)
+    model = skeleton_model(folder, dtype, attn_implementation)
+    layers, prefix = decoder_layers(model)
+    tiers = _layer_tiers(layer_tiers, tier, len(layers))
+    stats = StreamStats()
+    report = _Reporter(progress)
+
+    layouts = [_layout(ckpt, prefix, i, layer, quant, dtype) for i, layer in enumerate(layers)]
+    load_resident_parts(model, ckpt, prefix, device, dtype)
+    tiers = _fit_memory(tiers, layouts, device, buffers, stats)
+    report.total = sum(lay.nbytes for lay in layouts)
+    if "disk" in tiers:
+        packs = _ensure_packs(folder, ckpt, prefix, layouts, tiers, cache_dir, report)
+    else:
+        packs = {}
+
+    scratch = _Scratch(layouts, quant, dtype, device)
+    sources: list[RamSource | DiskSource] = []
+    streamed: list[int] = []
+    for i, layer in enumerate(layers):
+        if tiers[i] == "disk":
+            sources.append(DiskSource(layouts[i], PackReader(packs[i])))
+            streamed.append(i)
+            continue
+        tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
+        if tiers[i] == "ram":
+            sources.append(RamSource(layouts[i], _pack_in_ram(layouts[i], tensors, device, stats)))
+            streamed.append(i)
+        elif quant == "none":
+            _load_resident_layer(layer, tensors, device, dtype)
+        else:
+            _ResidentPackedLayer(layer, layouts[i], tensors, scratch, device)
+        report.layer(i, tiers[i], layouts[i].nbytes)
+    ckpt.drop_page_cache()
+    ckpt.close()
+
+    stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
+    stats.read_mode = _read_mode(sources, stats)
+    if sources:
+        store = LayerStore(sources, device=device, buffers=buffers, stats=stats)
+        for j, i in enumerate(streamed):
+            _StreamedLayer(layers[i], j, store, scratch, dtype, device)
+        model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())
+        weakref.finalize(model, store.close)
+        model._minions_layer_store = store  # keeps the pipeline alive with the model
+    model.eval()
+    model.requires_grad_(False)
+    return model, stats
+
+
+def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:
+    tiers = list(layer_tiers) if layer_tiers is not None else [tier] * n
+    if len(tiers) != n:
+        raise MemoryPlanError(f"layer_tiers has {len(tiers)} entries but the model has {n} decoder layers; re-run the planner for this model.")
+    bad = sorted({t for t in tiers if t not in TIERS})
+    if bad:
+        raise MemoryPlanError(f"unknown tier(s) {bad}; each layer's tier must be one of {', '.join(TIERS)}.")
+    return tiers
+
+
+def _layout(ckpt: Checkpoint, prefix: str, i: int, layer: nn.Module, quant: str, dtype: torch.dtype) -> LayerLayout:
+    if any(True for _ in layer.buffers()):
+        raise ModelLoadError(f"decoder layer {i} holds buffers; streaming supports layers made of parameters only (Llama, Qwen2, Mistral).")
+    shapes = {}
+    for rel, param in layer.named_parameters():
+        key = f"{prefix}.{i}.{rel}"
+        if key not in ckpt:
+            raise ModelLoadError(f"{ckpt.folder} lacks {key}; the checkpoint does not match its config.json.")
+        shapes[rel] = ckpt.shape(key)
+        if shapes[rel] != tuple(param.shape):
+            raise ModelLoadError(f"{key} has shape {shapes[rel]} in the checkpoint but {tuple(param.shape)} in the config.")
+    return plan_layout(shapes, quant, dtype)
+
+
+class _Reporter:
+    def __init__(self, progress: Callable[[LoadProgress], None] | None) -> None:
+        self.progress = progress
+        self.total = 0
+        self.done = 0
+
+    def layer(self, i: int, tier: str, nbytes: int, message: str = "") -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(LoadProgress("target", tier, self.done, self.total, message or f"layer {i} -> {tier}"))
+
+    def packing(self, i: int, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress(LoadProgress("target", "disk", self.done, self.total, f"packing layer {i} for the disk tier"))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: trust the plan
+
+
+def _fit_memory(tiers: list[str], layouts: list[LayerLayout], device: torch.device, buffers: int,
+                stats: StreamStats) -> list[str]:
+    """Demote layers that cannot fit where the plan put them, with a visible warning.
+
+    Called after the resident parts are loaded, so free memory already excludes them.
+    """
+    tiers = list(tiers)
+    buf_bytes = buffers * max((lay.padded_nbytes for lay in layouts), default=0)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] - buf_bytes - RAM_MARGIN
+        tiers = _demote(tiers, layouts, ("device",), "ram", free, "GPU memory", stats)
+        buf_bytes = 0
+    # On CPU the device tier is RAM too; resident layers get first claim on it.
+    host = ("ram",) if device.type == "cuda" else ("device", "ram")
+    return _demote(tiers, layouts, host, "disk", _available_ram() - buf_bytes - RAM_MARGIN, "RAM", stats)
+
+
+def _demote(tiers: list[str], layouts: list[LayerLayout], srcs: tuple[str, ...], dst: str, budget: int,
+            memory: str, stats: StreamStats) -> list[str]:
+    used, moved = 0, []
+    for src in srcs:
+        for i, t in enumerate(tiers):
+            if t != src:
+                continue
+            if used + layouts[i].nbytes > budget:
+                tiers[i] = dst
+                moved.append(i)
+            else:
+                used += layouts[i].nbytes
+    if moved:
+        msg = (f"{len(moved)} decoder layer(s) planned for {'/'.join(srcs)} do not fit in {memory} "
+               f"({max(budget, 0) / 1e9:.2f} GB free); layers {sorted(moved)} stream from '{dst}' "
+               "instead, which is slower. Re-plan with the real free memory to avoid this.")
+        log.warning(msg)
+        stats.warnings.append(msg)
+    return tiers
+
+
+def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[LayerLayout], tiers: list[str],
+                  cache_dir, report: _Reporter):
+    """Pack files for the disk-tier layers, reusing those that are up to date."""
+    if cache_dir is None:
+        from platformdirs import user_cache_dir
+
+        cache_dir = Path(user_cache_dir("minions-local")) / "packs"
+    pack_dir = Path(cache_dir) / folder_key(folder) / f"{layouts[0].dtype}-{layouts[0].quant}"
+    fingerprint = ckpt.fingerprint()
+    packs, todo = {}, []
+    for i, t in enumerate(tiers):
+        if t != "disk":
+            continue
+        pack = open_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], fingerprint=fingerprint)
+        if pack is None:
+            todo.append(i)
+        else:
+            packs[i] = pack
+    if todo:
+        check_writable(pack_dir, sum(layouts[i].padded_nbytes + 8192 for i in todo))
+        payload = aligned_empty(max(layouts[i].padded_nbytes for i in todo))
+        for i in todo:
+            report.packing(i, layouts[i].nbytes)
+            tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
+            pack_layer(layouts[i], tensors, payload)
+            packs[i] = write_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], payload=payload, fingerprint=fingerprint)
+    for i in packs:
+        report.layer(i, "disk", layouts[i].nbytes, f"layer {i} -> disk ({pack_dir})")
+    return packs
+
+
+def _pack_in_ram(layout: LayerLayout, tensors: dict, device: torch.device, stats: StreamStats) -> torch.Tensor:
+    pin = device.type == "cuda"
+    try:
+        data = aligned_empty(layout.padded_nbytes, pin=pin)
+    except RuntimeError as e:
+        if not pin:
+            raise MemoryPlanError(f"cannot allocate {layout.padded_nbytes / 1e9:.2f} GB of RAM for a layer: {e}") from e
+        msg = f"pinned host memory unavailable ({e}); the RAM tier uses pageable memory (slower copies)."
+        if msg not in stats.warnings:
+            log.warning(msg)
+            stats.warnings.append(msg)
+        data = aligned_empty(layout.padded_nbytes)
+    pack_layer(layout, tensors, data)
+    return data
+
+
+def _load_resident_layer(layer: nn.Module, tensors: dict, device: torch.device, dtype: torch.dtype) -> None:
+    for rel, t in tensors.items():
+        owner, _, attr = rel.rpartition(".")
+        module = layer.get_submodule(owner) if owner else layer
+        module._parameters[attr] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+
+
+def _read_mode(sources: list, stats: StreamStats) -> str:
+    disk = [s for s in sources if isinstance(s, DiskSource)]
+    if not disk:
+        return ""
+    probe = aligned_empty(disk[0].layout.padded_nbytes)
+    disk[0].reader.read_into(probe)  # also checks layer 0's checksum up front
+    if all(s.reader.direct for s in disk):
+        return "o_direct"
+    msg = "the disk tier's file system refuses O_DIRECT; reading with posix_fadvise(DONTNEED) instead (page cache still dropped)."
+    log.warning(msg)
+    stats.warnings.append(msg)
+    return "fadvise"
+
+
+class _Scratch:
+    """One compute-dtype buffer that quantized layers are dequantized into, one layer at a time."""
+
+    def __init__(self, layouts: list[LayerLayout], quant: str, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        size = 0
+        if quant != "none":
+            size = max((self.span(lay)[1] for lay in layouts), default=0)
+        self.data = torch.empty(size, dtype=dtype, device=device)
+
+    @staticmethod
+    def span(layout: LayerLayout) -> tuple[dict[str, int], int]:
+        offsets, n = {}, 0
+        for name, shape in layout.param_numel().items():
+            offsets[name] = n
+            numel = 1
+            for s in shape:
+                numel *= s
+            n = round_up(n + numel, 32)
+        return offsets, n
+
+    def views(self, layout: LayerLayout) -> dict[str, torch.Tensor]:
+        offsets, _ = self.span(layout)
+        out = {}
+        for name, shape in layout.param_numel().items():
+            numel = 1
+            for s in shape:
+                numel *= s
+            out[name] = self.data[offsets[name] : offsets[name] + numel].view(shape)
+        return out
+
+
+@dataclass(slots=True)
+class _Binding:
+    param: nn.Parameter
+    target: torch.Tensor
+    q: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+
+def _bindings(layer: nn.Module, layout: LayerLayout, buffer: torch.Tensor, scratch: _Scratch) -> list[_Binding]:
+    """How each parameter of `layer` is produced from a packed `buffer` holding it."""
+    params = dict(layer.named_parameters())
+    quantized = any(p.role == "q" for p in layout.pieces)
+    scratch_views = scratch.views(layout) if quantized else {}
+    out = []
+    for name, roles in layout.params().items():
+        if "" in roles:
+            out.append(_Binding(params[name], roles[""].view(buffer)))
+        else:
+            out.append(_Binding(params[name], scratch_views[name], roles["q"].view(buffer), roles["scale"].view(buffer)))
+    return out
+
+
+def _bind(bindings: list[_Binding], quant: str) -> None:
+    for b in bindings:
+        if b.q is not None:
+            dequantize(b.q, b.scale, quant, out=b.target)
+        b.param.data = b.target
+
+
+def _unbind(bindings: list[_Binding], placeholder: torch.Tensor) -> None:
+    for b in bindings:
+        b.param.data = placeholder
+
+
+def _empty_parameters(layer: nn.Module, placeholder: torch.Tensor) -> None:
+    for module in layer.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[attr] = nn.Parameter(placeholder, requires_grad=False)
+
+
+class _StreamedLayer:
+    """Hooks that give a decoder layer its weights from the LayerStore for each call."""
+
+    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: _Scratch, dtype: torch.dtype, device: torch.device) -> None:
+        self.j, self.store = j, store
+        self.layout = store.sources[j].layout
+        self.placeholder = torch.empty(0, dtype=dtype, device=device)
+        _empty_parameters(layer, self.placeholder)
+        self.bindings = _bindings(layer, self.layout, store.buffer_for(j), scratch)
+        layer.register_forward_pre_hook(self._before)
+        layer.register_forward_hook(self._after)
+
+    def _before(self, _module, _args) -> None:
+        self.store.acquire(self.j)
+        _bind(self.bindings, self.layout.quant)
+
+    def _after(self, _module, _args, _output) -> None:
+        _unbind(self.bindings, self.placeholder)
+        self.store.release(self.j)
+
+
+class _ResidentPackedLayer:
+    """A quantized layer kept on the compute device, dequantized before each call."""
+
+    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: _Scratch, device: torch.device) -> None:
+        host = aligned_empty(layout.padded_nbytes)
+        pack_layer(layout, tensors, host)
+        self.packed = host.to(device)
+        self.layout = layout
+        self.placeholder = torch.empty(0, dtype=scratch.dtype, device=device)
+        _empty_parameters(layer, self.placeholder)
+        self.bindings = _bindings(layer, layout, self.packed, scratch)
+        layer.register_forward_pre_hook(lambda _m, _a: _bind(self.bindings, layout.quant))
+        layer.register_forward_hook(lambda _m, _a, _o: _unbind(self.bindings, self.placeholder))

@@ -203,8 +203,9 @@ def plan_memory(
         resident = min(cap, (budgets["device"] - fixed) // resident_b)
         tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
         if cuda and "disk" in tiers:
-            # Disk reads land in pinned staging buffers before crossing PCIe.
+            # Disk reads land in pinned staging buffers before crossing PCIe: make room.
             host_fixed.append(Placement("disk staging buffers", "ram", buffers.count * streamed_b))
+            tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
     layer_bytes = [resident_b if t == "device" else streamed_b for t in tiers]
     plan = MemoryPlan(
         layer_tiers=tiers,

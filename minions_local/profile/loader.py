@@ -159,7 +159,17 @@ def _resolve_paths(profile: Profile, relative_to: Path) -> Profile:
 
 def _explain(err: ValidationError, path: Path, text: str) -> str:
     lines = [f"{path}: invalid profile"]
-    for e in err.errors():
+    errors = err.errors()
+    # A misspelt required field also reports the real one as missing: say it once.
+    misspelt = set()
+    for e in errors:
+        if e["type"] == "extra_forbidden":
+            parent = [str(p) for p in e["loc"][:-1]]
+            close = difflib.get_close_matches(str(e["loc"][-1]), _valid_fields(parent), n=1, cutoff=0.5)
+            misspelt.update((tuple(e["loc"][:-1]), c) for c in close)
+    for e in errors:
+        if e["type"] == "missing" and (tuple(e["loc"][:-1]), e["loc"][-1]) in misspelt:
+            continue
         loc = [str(p) for p in e["loc"]]
         dotted = _dotted(loc)
         where = _line_of(text, loc)
@@ -213,19 +223,22 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 def _line_of(text: str, loc: list[str]) -> int | None:
-    """Best-effort line number of the key at `loc` (the last plain key, after its table)."""
-    keys = [p for p in loc if not p.isdigit()]
-    if not keys:
+    """Best-effort line number of the key at `loc`, searched under its table header."""
+    if not loc or loc[-1].isdigit():
         return None
     start = 0
-    for table in keys[:-1]:  # skip to the table header the key lives under
-        m = re.search(rf"^\s*\[\[?[\w.]*\b{re.escape(table)}\]?\]\s*$", text[start:], re.M)
-        if m:
-            start += m.end()
-    m = re.search(rf"^\s*{re.escape(keys[-1])}\s*=", text[start:], re.M)
-    if not m:
-        return None
-    return text.count("\n", 0, start + m.start()) + 1
+    for i, part in enumerate(loc[:-1]):
+        if part.isdigit():
+            continue
+        index = int(loc[i + 1]) if i + 1 < len(loc) - 1 and loc[i + 1].isdigit() else 0
+        header = re.compile(rf"^\s*\[\[?[\w.]*\b{re.escape(part)}\]\]?\s*$", re.M)
+        for _ in range(index + 1):
+            m = header.search(text, start)
+            if not m:
+                break
+            start = m.end()
+    m = re.compile(rf"^\s*{re.escape(loc[-1])}\s*=", re.M).search(text, start)
+    return text.count("\n", 0, m.start()) + 1 if m else None
 
 
 def minion_names(profile: Profile) -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from .cost_fit import fit_hinge, fit_line
+from .cost_fit import PRIOR_WEIGHT, fit_hinge, fit_line
 
 Acceptance = float | Sequence[float]
 
@@ -50,7 +50,7 @@ class VerifyTime:
     def __call__(self, nodes: int) -> float:
         return max(self.flat, self.base + self.slope * (nodes + 1))
 
-    def fit(self, samples: Sequence[tuple[int, float]], weight: float = 1.0) -> "VerifyTime":
+    def fit(self, samples: Sequence[tuple[int, float]], weight: float = PRIOR_WEIGHT) -> "VerifyTime":
         """Refit to measured (nodes, seconds) samples, with self as the prior."""
         pts = [(n + 1, s) for n, s in samples]
         return VerifyTime(*fit_hinge(pts, (self.flat, self.base, self.slope), weight))
@@ -75,7 +75,7 @@ class GrowTime:
         passes = max(depth, math.ceil(nodes / width))
         return passes * self.pass_seconds(width)
 
-    def fit(self, samples: Sequence[tuple[int, float]], weight: float = 1.0) -> "GrowTime":
+    def fit(self, samples: Sequence[tuple[int, float]], weight: float = PRIOR_WEIGHT) -> "GrowTime":
         """Refit to measured (width, seconds per pass) samples, with self as the prior."""
         base, per_token = fit_line(samples, (self.base, self.per_token), weight)
         return replace(self, base=base, per_token=per_token)
@@ -195,7 +195,7 @@ class CostModel:
         self,
         verify_samples: Sequence[tuple[int, float]] = (),
         grow_samples: Mapping[str, Sequence[tuple[int, float]]] | None = None,
-        weight: float = 1.0,
+        weight: float = PRIOR_WEIGHT,
     ) -> "CostModel":
         """A new model fitted to measurements, this one as the prior.
 

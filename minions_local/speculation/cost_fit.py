@@ -1,7 +1,7 @@
 """Refining the cost model's few coefficients from measured step times.
 
 Both fits are least squares on *relative* error (a 10 ms miss matters on a 50 ms step,
-not on a 2 s one), with a ridge pull toward the prior coefficients that the profile
+not on a 2 s one), with a light ridge pull toward the prior coefficients that the profile
 predicted. With few samples, or samples that say nothing about a coefficient (all
 trees small, so the compute slope is never seen), the prior holds; with many
 consistent samples the data wins. Pure numpy-free Python: the systems are 1x1 and 2x2.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 # How many samples' worth of confidence the prior carries (per coefficient).
-PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 0.25
 _EPS = 1e-6  # seconds: the scale for a prior coefficient of zero
 
 
@@ -55,33 +55,45 @@ def fit_hinge(
     samples: Iterable[tuple[float, float]],
     prior: tuple[float, float, float],
     weight: float = PRIOR_WEIGHT,
-    rounds: int = 8,
 ) -> tuple[float, float, float]:
     """(flat, base, slope) of y = max(flat, base + slope*x) from (x, y) samples.
 
-    Alternates: assign each sample to the flat or the sloped piece under the current
-    coefficients, then refit each piece by weighted ridge least squares.
+    Tries every split of the samples (sorted by x) into a flat part and a sloped part,
+    fits each by weighted ridge least squares, and keeps the split with the least
+    total cost. A few dozen samples make that a few thousand cheap sums.
     """
-    pts = [(float(x), float(y)) for x, y in samples if y > 0]
-    flat, base, slope = prior
+    pts = sorted((float(x), float(y)) for x, y in samples if y > 0)
     if not pts:
         return prior
-    for _ in range(rounds):
-        on_flat = [(x, y) for x, y in pts if flat >= base + slope * x]
-        on_slope = [(x, y) for x, y in pts if flat < base + slope * x]
-        rf = weight / max(prior[0], _EPS) ** 2
-        num, den = rf * prior[0], rf
-        for _, y in on_flat:
-            w = 1.0 / y**2
-            num += w * y
-            den += w
-        new_flat = num / den
-        if on_slope:
-            xs, ys = zip(*on_slope)
-            new_base, new_slope = _solve_line(xs, ys, prior[1:], weight)
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for k in range(len(pts) + 1):
+        flat_part, slope_part = pts[:k], pts[k:]
+        flat = _fit_constant([y for _, y in flat_part], prior[0], weight)
+        if slope_part:
+            xs, ys = zip(*slope_part)
+            base, slope = _solve_line(xs, ys, prior[1:], weight)
         else:
-            new_base, new_slope = prior[1], prior[2]
-        if (new_flat, new_base, new_slope) == (flat, base, slope):
-            break
-        flat, base, slope = new_flat, new_base, new_slope
-    return flat, base, slope
+            base, slope = prior[1], prior[2]
+        coef = (flat, base, slope)
+        cost = _cost(pts, coef, prior, weight)
+        if best is None or cost < best[0]:
+            best = (cost, coef)
+    return best[1]
+
+
+def _fit_constant(ys: Sequence[float], prior: float, weight: float) -> float:
+    r = weight / max(prior, _EPS) ** 2
+    num, den = r * prior, r
+    for y in ys:
+        num += 1.0 / y
+        den += 1.0 / y**2
+    return num / den
+
+
+def _cost(pts, coef, prior, weight) -> float:
+    flat, base, slope = coef
+    cost = sum(((y - max(flat, base + slope * x)) / y) ** 2 for x, y in pts)
+    scale = max(max(x for x, _ in pts), 1.0)
+    for value, p0, floor in zip(coef, prior, (_EPS, _EPS, _EPS / scale)):
+        cost += weight * ((value - p0) / max(abs(p0), floor)) ** 2
+    return cost

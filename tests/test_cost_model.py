@@ -1,0 +1,132 @@
+"""The cost model: monotone predictions, sensible budgets, refits that recover the truth."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from minions_local.profile import load_profile
+from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime, expected_accepted
+
+
+def streamed_model() -> CostModel:
+    return CostModel.from_profile(load_profile("rtx4090-70b"))
+
+
+def test_verify_time_is_flat_while_streaming_dominates_then_grows():
+    model = streamed_model()
+    times = [model.t_verify(n) for n in range(0, 2049, 16)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    assert model.t_verify(0) == model.t_verify(256)  # 22 GB over PCIe hides 257 tokens of compute
+    assert model.t_verify(4096) > model.t_verify(256)
+    p = model.parts
+    assert p["stream"] == pytest.approx(p["stream_ram"])
+    assert 0.7 < p["stream"] < 1.2  # ~23 GB at 25 GB/s
+    assert model.t_verify(0) == pytest.approx(p["overhead"] + p["stream"])
+
+
+def test_grow_time_counts_one_pass_per_level():
+    g = GrowTime("m", base=0.01, per_token=0.001)
+    assert g(0, 4) == 0.0
+    assert g(32, 4) == pytest.approx(4 * (0.01 + 0.001 * 8))
+    assert g(32, 4, width=4) == pytest.approx(8 * (0.01 + 0.001 * 4))  # narrower: more passes
+    assert g(64, 8) > g(32, 8) > g(32, 4)
+
+
+def test_chain_expectation_is_the_geometric_sum():
+    gains, depths = expected_accepted((0.8,), 10, max_depth=16, top_k=1)
+    for n in range(11):
+        assert gains[n] == pytest.approx(sum(0.8**i for i in range(1, n + 1)))
+        assert depths[n] == n
+
+
+def test_tree_expectation_grows_with_diminishing_returns():
+    gains, depths = expected_accepted((0.7,), 256, max_depth=16, top_k=8)
+    steps = [b - a for a, b in zip(gains, gains[1:])]
+    assert all(s > 0 for s in steps)
+    assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:]))  # best-first: each node adds less
+    assert gains[256] > sum(0.7**i for i in range(1, 17)) * 0.9  # branching beats a 16-chain's bound...
+    assert gains[256] < 16  # ...but never exceeds the depth cap
+    assert max(depths) <= 16 and depths == tuple(sorted(depths))
+    capped, cdepths = expected_accepted((0.7,), 256, max_depth=3, top_k=8)
+    assert max(cdepths) <= 3 and capped[-1] < gains[-1]
+
+
+def test_per_depth_acceptance_and_higher_rates_help():
+    falling, _ = expected_accepted((0.9, 0.5), 64)
+    flat, _ = expected_accepted((0.9,), 64)
+    assert falling[64] < flat[64]
+    model = streamed_model()
+    rates = [model.predict_tokens_per_second(a, 128) for a in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    assert rates == sorted(rates)
+    assert model.predict_tokens_per_second([0.9, 0.8, 0.7], 128) > 0
+
+
+def test_best_budget_is_the_argmax_and_grows_with_acceptance():
+    model = streamed_model()
+    choices = [model.best_budget(a, max_nodes=256, max_depth=16) for a in (0.5, 0.7, 0.9)]
+    assert [c.expected_accepted for c in choices] == sorted(c.expected_accepted for c in choices)
+    assert [c.tokens_per_second for c in choices] == sorted(c.tokens_per_second for c in choices)
+    best = choices[1]
+    for n in (1, 8, 32, 64, 128, 256):  # no fixed budget beats the choice
+        assert model.predict_tokens_per_second(0.7, n) <= best.tokens_per_second * (1 + 1e-9)
+    assert best.width == math.ceil(best.nodes / best.depth)
+    assert best.tokens_per_second == pytest.approx(best.tokens_per_step / (best.t_grow + best.t_verify))
+
+
+def test_streaming_makes_big_trees_pay_and_compute_bound_keeps_them_small():
+    streamed = streamed_model().best_budget(0.8, max_nodes=256)
+    # Resident, compute-bound target: each extra token costs as much as a whole pass / 10.
+    compute_bound = CostModel(VerifyTime(flat=0.01, base=0.0, slope=0.001), (GrowTime("m", 0.002, 0.0),))
+    small = compute_bound.best_budget(0.8, max_nodes=256)
+    assert streamed.nodes >= 128
+    assert small.nodes < 32
+    assert streamed.expected_accepted > small.expected_accepted
+
+
+def test_best_budget_respects_limits():
+    model = streamed_model()
+    c = model.best_budget(0.95, min_nodes=4, max_nodes=40, max_depth=5)
+    assert 4 <= c.nodes <= 40 and c.depth <= 5
+    c = CostModel(VerifyTime(0.01, 0.0, 1.0)).best_budget(0.5, min_nodes=0)
+    assert c.nodes == 0  # verifying anything costs more than it can win
+
+
+def test_best_verify_size_for_a_grown_tree():
+    model = CostModel(VerifyTime(flat=0.1, base=0.0, slope=0.01))
+    scores = [0.9, 0.8, 0.7] + [0.05] * 50
+    n = model.best_verify_size(scores, depths=list(range(1, 54)))
+    assert 3 <= n < 20  # the likely nodes are worth it, the long tail is not
+    assert model.best_verify_size([], []) == 0
+
+
+def test_refit_recovers_a_hinge_from_samples():
+    truth = VerifyTime(flat=0.5, base=0.05, slope=0.002)
+    prior = VerifyTime(flat=1.0, base=0.02, slope=0.001)
+    rng = random.Random(0)
+    samples = [(n, truth(n) * rng.uniform(0.97, 1.03)) for n in (1, 8, 32, 64, 128, 256, 384, 512) * 4]
+    fitted = CostModel(prior).refined(verify_samples=samples).verify
+    assert fitted.flat == pytest.approx(0.5, rel=0.05)
+    assert fitted.slope == pytest.approx(0.002, rel=0.15)
+    for n in (16, 300, 500):
+        assert fitted(n) == pytest.approx(truth(n), rel=0.06)
+
+
+def test_refit_keeps_the_prior_where_samples_say_nothing():
+    prior = VerifyTime(flat=1.0, base=0.02, slope=0.001)
+    fitted = prior.fit([(8, 0.8), (16, 0.8), (32, 0.8)])
+    assert 0.8 <= fitted.flat < 0.85  # three samples pull the flat part most of the way
+    assert fitted.slope == prior.slope and fitted.base == prior.base  # knee never observed
+
+
+def test_refit_grow_line_and_unknown_names_are_ignored():
+    model = CostModel(VerifyTime(1, 0, 0.001), (GrowTime("a", 0.01, 0.001), GrowTime("b", 0.02, 0.0)))
+    samples = {"a": [(w, 0.004 + 0.0005 * w) for w in (1, 4, 16, 64)], "zzz": [(1, 9.0)]}
+    refined = model.refined(grow_samples=samples)
+    a, b = refined.grow
+    for w in (1, 8, 64):
+        assert a.pass_seconds(w) == pytest.approx(0.004 + 0.0005 * w, rel=0.1)
+    assert b == model.grow[1]
+    assert model.grow[0].base == 0.01  # pure: the original is untouched

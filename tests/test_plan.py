@@ -29,7 +29,7 @@ def test_rtx4090_70b_streams_the_4bit_layers_that_do_not_fit():
     assert used["device"] <= plan.budgets["device"]
     assert used["device"] > plan.budgets["device"] - plan.layer_bytes[0]  # filled, no layer left out
     assert used["ram"] <= plan.budgets["ram"]
-    assert plan.embeddings_tier == "ram"
+    assert plan.embeddings_tier == "device"  # where offload/streamed.py keeps them
     assert set(plan.minion_bytes) == {"Llama-3.2-1B-Instruct", "Llama-3.2-3B-Instruct", "ngram"}
     assert 0.8 * GB < plan.minion_bytes["Llama-3.2-1B-Instruct"] < 1.3 * GB  # nf4 + bf16 embeddings
     assert plan.minion_bytes["ngram"] == 0

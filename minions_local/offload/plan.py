@@ -11,9 +11,9 @@ so `--plan` works for a 70B target on a laptop. The order of claims on device me
 4. the rest stream (at the streamed quantization) from host RAM while it lasts, then
    from disk.
 
-On CUDA the embedding table stays in host RAM: a lookup moves only a few rows, so it
-would waste VRAM that can hold resident layers. On a CPU box the "device" is RAM, and
-the budgets are the shares of it the profile grants to each use.
+The embeddings, final norm and head stay on the device, as the streaming runtime
+(offload/streamed.py) loads them. On a CPU box the "device" is RAM, and the budgets
+are the shares of it the profile grants to each use.
 """
 
 from __future__ import annotations
@@ -170,10 +170,12 @@ def plan_memory(
         if kv:
             bucket.append(Placement(f"KV cache '{m.name}'", tier, kv))
     device_fixed.append(Placement("KV cache target", "device", kv_tokens * dims.kv_bytes_per_token(tgt.dtype)))
-    device_fixed.append(Placement("head", "device", dims.head_bytes(tgt.dtype)))
-    embeddings_tier = "ram" if cuda and tgt.tier != "device" else "device"
-    emb = Placement("embeddings", embeddings_tier, dims.embedding_bytes(tgt.dtype))
-    (host_fixed if embeddings_tier == "ram" else device_fixed).append(emb)
+    embeddings_tier = "device"
+    if dims.tied_embeddings:
+        device_fixed.append(Placement("embeddings + head (tied)", "device", dims.head_bytes(tgt.dtype)))
+    else:
+        device_fixed.append(Placement("embeddings", "device", dims.embedding_bytes(tgt.dtype)))
+        device_fixed.append(Placement("head", "device", dims.head_bytes(tgt.dtype)))
 
     budgets = {
         "device": int(hw.device_memory_gb * GB),

@@ -20,14 +20,14 @@ from ..errors import ProfileError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
-# Bytes per parameter of a quantized weight matrix, scales included. Group-wise
-# integer quantization keeps an fp16 scale (int8) or an fp16 scale and zero (int4)
-# per group of 128 weights, as AWQ/GPTQ-style kernels do. bitsandbytes nf4 keeps one
-# absmax per 64 weights, itself 8-bit with double quantization (its default); its
-# LLM.int8 keeps an fp32 scale per row, which is negligible for wide layers.
+# Bytes per parameter of a quantized weight matrix, scales included. The target's
+# streamed layers use our own packs (offload/quant.py): int8 with one 2-byte scale per
+# row (negligible for wide layers), int4 with one 2-byte scale per group of 64.
+# bitsandbytes nf4 (minions) keeps one absmax per 64 weights, itself 8-bit with double
+# quantization (its default).
 _QUANT_BYTES = {
-    "int8": 1.0 + 2 / 128,
-    "int4": 0.5 + 4 / 128,
+    "int8": 1.0,
+    "int4": 0.5 + 2 / 64,
     "nf4": 0.5 + (1 + 4 / 256) / 64,
 }
 
@@ -81,7 +81,7 @@ class ModelDims:
 
     @property
     def head_params(self) -> int:
-        """The output projection (a separate copy on the device even when tied)."""
+        """The output projection (the embedding matrix itself when tied)."""
         return self.vocab * self.hidden
 
     @property

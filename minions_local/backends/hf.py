@@ -1,0 +1,159 @@
+"""Running one Hugging Face causal LM over packed token trees with a KV cache.
+
+Shared by the target and the HF minions: loading a model folder with messages a
+user can act on, a forward over new tokens with an explicit tree mask and
+positions, and the cache edits speculation needs (crop, keep selected entries).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from ..errors import ModelLoadError
+from ..speculation.tree import tree_attention_mask
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def check_model_folder(path: str | Path, role: str) -> Path:
+    """Fail early, with a remedy, on a folder that cannot be a model."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"The {role} model folder {path} does not exist. Check the path (or the profile's "
+                             f"'path' field); a Hugging Face model folder holds config.json and *.safetensors.")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model folder ({role}). "
+                             f"Point at the folder that contains config.json and the *.safetensors files.")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} is damaged ({e}). Restore the file (re-download or "
+                             f"re-export the model).") from None
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights ({role}). Only safetensors checkpoints are "
+                             f"loaded; convert .bin weights with save_pretrained(safe_serialization=True).")
+    return path
+
+
+def load_config(path: Path, role: str):
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path} is a '{config.model_type}' model ({role}); supported architectures are "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+    return config
+
+
+def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, device: str):
+    """A model ready for tree forwards, in eval mode, without gradients."""
+    path = check_model_folder(path, role)
+    load_config(path, role)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"Could not load the {role} model from {path}: {e}\nThe weights may be damaged or "
+                             f"incomplete: restore the folder (re-download, re-export, or for the shipped demo "
+                             f"models reinstall minions-local or run scripts/train_demo_family.py).") from None
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def context_length(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+class CachedModel:
+    """A causal LM plus the KV cache of one token sequence it has already run.
+
+    `cached` lists the tokens whose keys/values are in the cache, in cache order.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)
+        self.cache = DynamicCache()
+        self.cached: list[int] = []
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.cached = []
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    def truncate(self, keep: int) -> None:
+        """Drop every cache entry after the first `keep` (tree entries included)."""
+        drop = self.cache_len - keep
+        if drop > 0:
+            self.cache.crop(-drop)  # transformers 5 takes a negative count to drop
+        self.cached = self.cached[:keep]
+
+    def keep_entries(self, positions: list[int]) -> None:
+        """Keep only the cache entries at `positions` (in that order), e.g. the prefix
+        plus the accepted path of a verified tree."""
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+
+    def sync(self, tokens: list[int]) -> list[int]:
+        """Keep the longest cached prefix of `tokens`; return the tokens still to run."""
+        lcp = 0
+        limit = min(len(self.cached), len(tokens))
+        while lcp < limit and self.cached[lcp] == tokens[lcp]:
+            lcp += 1
+        self.truncate(lcp)
+        return tokens[lcp:]
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int) -> torch.Tensor:
+        """Run new tokens on top of the cache; returns float32 logits [T, V].
+
+        anc: [T, K] visibility of the last K cache entries + new tokens (K >= T; the
+        entries before those are visible to all). A chain is lower-triangular [T, T].
+        Positions are base_pos + depth; the new entries are appended to the cache.
+        """
+        prefix = self.cache_len + len(tokens) - anc.shape[1]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
+        pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0].float()
+
+    def extend(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
+        """Run a chain of tokens (prefill), in chunks to bound memory; returns the last
+        chunk's logits, or None when there was nothing to run."""
+        logits = None
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            n = len(part)
+            base = self.cache_len
+            logits = self.forward(part, np.tril(np.ones((n, n), dtype=bool)), list(range(n)), base)
+            self.cached.extend(part)
+        return logits

@@ -1,0 +1,72 @@
+"""A Hugging Face minion: grows its candidate tree best-first by path probability.
+
+Each forward pass expands the `width` most probable frontier nodes at once (a
+tree-masked batch), so a tree of depth D costs about D small passes; width 1 is a
+plain draft chain. Nodes added in the last round are never run: their scores come
+from their parents' distributions, and nobody will expand them this step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+import torch
+
+from .base import CandidateTree, GrowBudget
+from .hf import CachedModel
+
+
+class HFMinion(CachedModel):
+    def __init__(self, model, name: str) -> None:
+        super().__init__(model)
+        self.name = name
+
+    def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
+        tree = CandidateTree()
+        if budget.max_nodes <= 0 or budget.max_depth <= 0:
+            return tree
+        pending = self.sync(context)
+        if not pending:  # the root was run before: re-run it to get its distribution
+            self.truncate(len(context) - 1)
+            pending = context[-1:]
+        root_logits = self.extend(pending)[-1]
+        base_pos = len(context) - 1  # the root's position
+        order = itertools.count()  # tie-breaker: earlier candidates first
+        frontier: list[tuple[float, int, int, int, float, int]] = []
+
+        def offer(logits: torch.Tensor, parent: int, parent_lp: float, depth: int) -> None:
+            if depth > budget.max_depth:
+                return
+            lp = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(lp, min(budget.top_k, lp.shape[-1]))
+            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                heapq.heappush(frontier, (-(parent_lp + v), next(order), parent, t, parent_lp + v, depth))
+
+        offer(root_logits, -1, 0.0, 1)
+        anc = np.zeros((budget.max_nodes, budget.max_nodes), dtype=bool)
+        depths: list[int] = []
+        while frontier and len(tree) < budget.max_nodes:
+            batch = []
+            while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
+                _, _, parent, token, lp, depth = heapq.heappop(frontier)
+                node = tree.add(token, parent, lp)
+                if parent >= 0:
+                    anc[node] = anc[parent]
+                anc[node, node] = True
+                depths.append(depth)
+                batch.append(node)
+            if len(tree) >= budget.max_nodes or all(depths[n] >= budget.max_depth for n in batch):
+                break
+            first = batch[0]  # batches are contiguous node ranges
+            logits = self.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
+                                  [depths[n] for n in batch], base_pos)
+            for row, node in enumerate(batch):
+                offer(logits[row], node, tree.logprobs[node], depths[node] + 1)
+        return tree
+
+    def commit(self, accepted: list[int]) -> None:
+        # Nothing to keep eagerly: the next grow() keeps the longest common prefix and
+        # re-runs the few accepted tokens in the same pass as the new root.
+        pass

@@ -1,0 +1,113 @@
+"""Turning paths into ready models: the target, each minion, and the checks between them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .backends.base import Minion
+from .backends.hf import check_model_folder, load_causal_lm, load_config
+from .backends.hf_minion import HFMinion
+from .backends.hf_target import HFTarget
+from .errors import ModelLoadError, VocabularyMismatchError
+from .events import LoadProgress
+from .text import load_tokenizer
+
+TIERS = ("device", "ram", "disk")
+Progress = Callable[[LoadProgress], None]
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tier: str,
+                progress: Progress | None, stream_options: dict[str, Any]) -> tuple[HFTarget, Any]:
+    """The target wrapped for tree verification, resident or streamed; and its tokenizer."""
+    if tier not in TIERS:
+        raise ValueError(f"target_tier must be one of {TIERS}, got {tier!r}")
+    path = check_model_folder(path, "target")
+    load_config(path, "target")
+    total = _folder_bytes(path)
+    # On a CPU the compute device IS host RAM: the 'ram' tier is the resident model.
+    streamed = tier == "disk" or (tier == "ram" and device != "cpu")
+    if progress:
+        progress(LoadProgress("target", tier, 0, total, "loading"))
+    if streamed:
+        from .offload.streamed import load_streamed_causal_lm
+
+        model, stats = load_streamed_causal_lm(path, tier=tier, dtype=dtype, device=device, progress=progress,
+                                               **stream_options)
+        target = HFTarget(model, bytes_streamed=lambda: stats.bytes_streamed)
+        target.stream_stats = stats
+    else:
+        target = HFTarget(load_causal_lm(path, "target", dtype, device))
+    if progress:
+        progress(LoadProgress("target", tier, total, total, "ready"))
+    return target, load_tokenizer(path, "target")
+
+
+def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
+                dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
+    """A minion from a spec: an HF folder, a .gguf file, 'ngram', or a ready Minion object."""
+    if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
+        return spec
+    text = str(spec)
+    if text == "ngram" or text.startswith("ngram:"):
+        from .backends.ngram import NGramMinion
+
+        return NGramMinion.from_spec(text)
+    if text.endswith(".gguf"):
+        from .backends.gguf import GGUFMinion
+
+        minion = GGUFMinion.from_path(Path(text).expanduser())
+        check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
+        return minion
+    path = check_model_folder(text, f"minion {index}")
+    config = load_config(path, f"minion {index}")
+    check_vocabulary(target_path, target_tokenizer, target_vocab, path, load_tokenizer(path, "minion"),
+                     int(config.vocab_size))
+    total = _folder_bytes(path)
+    if progress:
+        progress(LoadProgress(path.name, "device", 0, total, "loading"))
+    minion = HFMinion(load_causal_lm(path, f"minion {index}", dtype, device), name=path.name)
+    if progress:
+        progress(LoadProgress(path.name, "device", total, total, "ready"))
+    return minion
+
+
+def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_path: Path, minion_tok,
+                     minion_vocab: int) -> None:
+    """A minion must speak the target's vocabulary, or its drafts mean nothing."""
+    if target_tok is not None and minion_tok is not None:
+        t_size, m_size = len(target_tok), len(minion_tok)
+        same = t_size == m_size and target_tok.get_vocab() == minion_tok.get_vocab()
+    else:
+        t_size = len(target_tok) if target_tok is not None else target_vocab
+        m_size = minion_vocab
+        same = target_vocab == minion_vocab
+    if not same:
+        raise VocabularyMismatchError(
+            f"The minion {minion_path} does not share the target's vocabulary: target {target_path} has "
+            f"{t_size} tokens, minion has {m_size}{' (a different token mapping)' if t_size == m_size else ''}. "
+            f"Use minions trained on the target's tokenizer (same model family).")
+
+
+def unique_names(minions: list[Minion]) -> None:
+    seen: dict[str, int] = {}
+    for m in minions:
+        n = seen.get(m.name, 0)
+        seen[m.name] = n + 1
+        if n:
+            m.name = f"{m.name}#{n + 1}"
+
+
+def context_limit(target: HFTarget) -> int:
+    from .backends.hf import context_length
+
+    return context_length(target.model.config)
+
+
+__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "context_limit", "ModelLoadError"]

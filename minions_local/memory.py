@@ -1,0 +1,37 @@
+"""Where the loaded weights actually are, for engines built without a memory plan."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
+    tiers: dict[str, int] = {}
+    target = engine.decoder.target
+    stats = getattr(target, "stream_stats", None)
+    if stats is not None and hasattr(stats, "bytes_by_tier"):
+        for tier, n in stats.bytes_by_tier().items():
+            tiers[tier] = tiers.get(tier, 0) + n
+    else:
+        tiers["device"] = _model_bytes(target.model)
+    for m in engine.minions:
+        model = getattr(m, "model", None)
+        if model is not None and hasattr(model, "parameters"):
+            tiers["device"] = tiers.get("device", 0) + _model_bytes(model)
+    return tiers
+
+
+def describe_placement(engine: Engine) -> str:
+    rows = [("target", "resident" if getattr(engine.decoder.target, "stream_stats", None) is None else "streamed")]
+    rows += [(m.name, type(m).__name__) for m in engine.minions]
+    tiers = measured_bytes_by_tier(engine)
+    lines = [f"{name:<24} {kind}" for name, kind in rows]
+    lines += [f"{tier:<24} {n / 2**20:,.1f} MiB" for tier, n in tiers.items()]
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""How big a tree to verify each step.
+
+A budget policy answers, before each step, how many draft nodes the target should
+verify and how deep the tree may go; after the step it sees what happened. The
+offload-aware cost model is one such policy (cost.py); the simple ones live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..events import StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    nodes: int
+    """Draft nodes the target verifies at most."""
+    depth: int
+    """Tree levels below the root at most."""
+    width: int
+    """Nodes each minion adds per forward pass while growing."""
+    predicted_t_verify: float | None = None
+    predicted_t_grow: float | None = None
+
+
+class BudgetPolicy(Protocol):
+    def choose(self, remaining_tokens: int) -> StepBudget: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+def _width_for(nodes: int, depth: int) -> int:
+    # Spread the nodes over the levels: a budget of 32 at depth 8 grows 4 per pass.
+    return max(1, -(-nodes // max(depth, 1)))
+
+
+@dataclass
+class FixedBudget:
+    """The same tree size every step (also what `minions=[]` uses with nodes=0)."""
+
+    nodes: int = 32
+    depth: int = 8
+
+    def choose(self, remaining_tokens: int) -> StepBudget:
+        depth = max(0, min(self.depth, remaining_tokens - 1))
+        nodes = self.nodes if depth else 0
+        return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
+
+    def observe(self, record: StepRecord) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveDepth:
+    """Depth follows the accepted length (HF assisted generation's +2/-1 rule, for trees).
+
+    When the whole depth was accepted, go deeper; otherwise back off by one. The node
+    budget stays fixed: on a bf16 CPU or a streamed GPU target, verifying more nodes
+    costs little until compute catches up with the weight traffic.
+    """
+
+    nodes: int = 32
+    depth: int = 6
+    min_depth: int = 2
+    max_depth: int = 16
+
+    def choose(self, remaining_tokens: int) -> StepBudget:
+        depth = max(0, min(self.depth, remaining_tokens - 1))
+        nodes = max(self.nodes, depth) if depth else 0
+        return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
+
+    def observe(self, record: StepRecord) -> None:
+        if record.depth == 0:
+            return
+        if record.accepted >= record.depth:
+            self.depth = min(self.depth + 2, self.max_depth)
+        else:
+            self.depth = max(self.depth - 1, self.min_depth, record.accepted + 1)

@@ -1,0 +1,100 @@
+"""One speculative step: grow -> vote -> budget -> verify -> accept -> commit.
+
+The decoder knows nothing about text: it moves token ids and returns a stats record
+per target pass. With no minions (or a zero budget) the tree is the root alone and
+a step is exactly one autoregressive target step, through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends.base import CandidateTree, GrowBudget, Minion
+from ..backends.hf_target import HFTarget
+from ..events import StepRecord, TreeSnapshot
+from .accept import SamplingParams, accept
+from .budget import BudgetPolicy, StepBudget
+from .tree import TokenTree
+from .vote import MinionWeights, contributions, merge_proposals
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    """Committed by this step: the accepted draft tokens, then the bonus token."""
+    record: StepRecord
+    tree: TokenTree = field(repr=False)
+    path: list[int] = field(repr=False)
+
+
+class Decoder:
+    def __init__(self, target: HFTarget, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
+                 keep_trees: bool = True) -> None:
+        self.target = target
+        self.minions = minions
+        self.policy = policy
+        self.top_k = top_k
+        self.keep_trees = keep_trees
+        self.weights = MinionWeights([m.name for m in minions])
+
+    def reset(self) -> None:
+        """Drop every cache (after an interrupted step the caches may be half-written)."""
+        self.target.reset()
+        for m in self.minions:
+            m.reset()
+
+    def step(self, context: list[int], params: SamplingParams, generator: torch.Generator | None,
+             remaining: int) -> StepResult:
+        """One target pass over a voted tree below context[-1]; `remaining` >= 1 caps
+        how many tokens this step may commit."""
+        budget = self.policy.choose(remaining) if self.minions else StepBudget(0, 0, 1)
+        t0 = time.perf_counter()
+        tree, ran = self._grow(context, budget)
+        t1 = time.perf_counter()
+        streamed_before = self.target.bytes_streamed()
+        logits = self.target.verify(context, tree)
+        path, bonus = accept(tree, logits, params, generator, max_accept=remaining - 1)
+        self.target.commit(tree, path)
+        t2 = time.perf_counter()
+
+        tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
+        for m in self.minions:
+            m.commit(tokens)
+        contributed = contributions(tree, path, len(self.minions))
+        weights = self.weights.weights()
+        self.weights.observe(contributed, ran)
+        record = StepRecord(
+            tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
+            bytes_streamed=self.target.bytes_streamed() - streamed_before, depth=tree.depth,
+            new_tokens=len(tokens),
+            minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
+            minion_weights={m.name: w for m, w in zip(self.minions, weights)},
+            predicted_t_verify=budget.predicted_t_verify, predicted_t_grow=budget.predicted_t_grow,
+        )
+        self.policy.observe(record)
+        return StepResult(tokens, record, tree, path)
+
+    def _grow(self, context: list[int], budget: StepBudget) -> tuple[TokenTree, list[bool]]:
+        if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
+            return TokenTree.from_root(context[-1]), [False] * len(self.minions)
+        grow_budget = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width,
+                                 top_k=self.top_k)
+        proposals: list[CandidateTree | None] = [m.grow(context, grow_budget) for m in self.minions]
+        ran = [p is not None for p in proposals]
+        merged = merge_proposals(context[-1], proposals, self.weights.weights(), self.target.vocab_size)
+        return merged.select(budget.nodes, budget.depth), ran
+
+
+def snapshot(result: StepResult, names: list[str], decode_token) -> TreeSnapshot:
+    """A display copy of the verified tree (the TUI's tree view reads this)."""
+    tree = result.tree
+    return TreeSnapshot(
+        tokens=list(tree.tokens), parents=list(tree.parents),
+        texts=[decode_token(t) for t in tree.tokens],
+        proposers=[[n for m, n in enumerate(names) if mask >> m & 1] for mask in tree.proposers],
+        scores=list(tree.scores), accepted_path=list(result.path),
+        bonus_text=decode_token(result.tokens[-1]),
+    )

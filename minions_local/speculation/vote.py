@@ -1,0 +1,83 @@
+"""Merging the minions' proposals into one voted tree, and learning whom to trust.
+
+A node's score estimates the probability that the target accepts the path to it:
+the weighted average, over minions, of each minion's own path probability (0 for a
+minion that did not propose the node). Because a path's probability never grows
+as it gets longer, a child never outscores its parent, so best-first selection of
+the top-N nodes always yields a connected subtree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..backends.base import CandidateTree
+from .tree import TokenTree
+
+
+def merge_proposals(root_token: int, proposals: list[CandidateTree | None], weights: list[float],
+                    vocab_limit: int | None = None) -> TokenTree:
+    """One tree from every minion's proposal (None = the minion sat this step out).
+
+    Tokens at or above `vocab_limit` (a minion with padded embeddings) are dropped
+    with their subtrees: the target could not even embed them.
+    """
+    tree = TokenTree.from_root(root_token)
+    total = sum(w for p, w in zip(proposals, weights) if p is not None) or 1.0
+    for m, (proposal, weight) in enumerate(zip(proposals, weights)):
+        if proposal is None:
+            continue
+        bit = 1 << m
+        tree.proposers[0] |= bit
+        share = weight / total
+        mapped: list[int] = []
+        for token, parent, logprob in zip(proposal.tokens, proposal.parents, proposal.logprobs):
+            parent_node = 0 if parent < 0 else mapped[parent]
+            if parent_node < 0 or (vocab_limit is not None and token >= vocab_limit):
+                mapped.append(-1)
+                continue
+            node = tree.add(parent_node, token, 0.0, bit)
+            tree.scores[node] += share * math.exp(logprob)
+            mapped.append(node)
+    return tree
+
+
+@dataclass
+class MinionWeights:
+    """Vote weights that follow each minion's recent acceptance record.
+
+    Each minion's record is an exponential moving average of how many accepted draft
+    tokens lay on paths it proposed. A minion that keeps being right gets a larger
+    share of the vote; the floor keeps a cold minion able to recover.
+    """
+
+    names: list[str]
+    decay: float = 0.9
+    floor: float = 0.05
+    records: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.records:
+            self.records = [1.0] * len(self.names)
+
+    def weights(self) -> list[float]:
+        best = max(self.records, default=1.0) or 1.0
+        return [max(r / best, self.floor) for r in self.records]
+
+    def observe(self, contributed: list[int], ran: list[bool]) -> None:
+        """contributed[m]: accepted draft tokens on minion m's proposals this step."""
+        for m, (c, did_run) in enumerate(zip(contributed, ran)):
+            if did_run:
+                self.records[m] = self.decay * self.records[m] + (1 - self.decay) * c
+
+
+def contributions(tree: TokenTree, accepted_path: list[int], n_minions: int) -> list[int]:
+    """Per minion: accepted draft nodes (root excluded) that the minion proposed."""
+    counts = [0] * n_minions
+    for node in accepted_path[1:]:
+        mask = tree.proposers[node]
+        for m in range(n_minions):
+            if mask >> m & 1:
+                counts[m] += 1
+    return counts

@@ -88,3 +88,16 @@ def stored_pieces(name: str, tensor: torch.Tensor, mode: str, dtype: torch.dtype
     if mode != "none" and quantizable(name, tensor):
         return quantize_weight(tensor, mode, dtype)
     return {"": tensor.detach().to(dtype).contiguous()}
+
+
+@torch.no_grad()
+def apply_dequantized_weights_(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Give a resident model's decoder layers the weights a `mode`-quantized streamed
+    model runs with (the reference for equivalence checks). Returns the model."""
+    if mode == "none":
+        return model
+    for layer in model.model.layers:
+        for name, param in layer.named_parameters():
+            if quantizable(name, param):
+                param.copy_(dequantize_weight(param.data.cpu(), mode, param.dtype).to(param.device))
+    return model

@@ -54,7 +54,7 @@ def load_streamed_causal_lm(
     buffers: int = 2,
     cache_dir: str | os.PathLike | None = None,
     progress: Callable[[LoadProgress], None] | None = None,
-    attn_implementation: str | None = None,
+    attn_implementation: str | None = "sdpa",
 ) -> tuple[nn.Module, StreamStats]:
     """Load an HF causal LM whose decoder layers stream from RAM or disk.
 
@@ -62,7 +62,8 @@ def load_streamed_causal_lm(
         path: HF model folder (config.json + *.safetensors).
         tier: where decoder layers live when `layer_tiers` is None: 'ram' or 'disk'
             ('device' loads a plain resident model through the same code path).
-        dtype: compute dtype (torch dtype or its name, e.g. 'bfloat16').
+        dtype: compute dtype (torch dtype or a name such as 'bfloat16' / 'bf16');
+            None = the checkpoint's dtype, as from_pretrained(dtype="auto").
         device: compute device, 'cpu' or 'cuda[:n]'.
         layer_tiers: one of 'device' | 'ram' | 'disk' per decoder layer, from the
             memory plan (`MemoryPlan.layer_tiers`); overrides `tier`.
@@ -72,18 +73,19 @@ def load_streamed_causal_lm(
         buffers: K compute-side layer buffers (K-1 layers in flight while one computes).
         cache_dir: folder for the disk tier's layer packs (default: the user cache).
         progress: called with `LoadProgress` while layers are packed and placed.
-        attn_implementation: passed to transformers ('sdpa' default, 'eager').
+        attn_implementation: passed to transformers ('sdpa' like the resident loader;
+            'eager' needs additive float masks).
 
     Returns:
         (model, stats): the model in eval mode, and its live `StreamStats`.
     """
     device = torch.device(device)
-    dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    folder = Path(path)
+    dtype = resolve_dtype(dtype, folder)
     if quant not in QUANT_MODES:
         raise ModelLoadError(f"unknown quantization {quant!r}; use one of {', '.join(QUANT_MODES)}.")
     if buffers < 1:
         raise MemoryPlanError(f"buffers={buffers}: streaming needs at least one layer buffer.")
-    folder = Path(path)
     ckpt = Checkpoint(folder)
     model = skeleton_model(folder, dtype, attn_implementation)
     layers, prefix = decoder_layers(model)
@@ -132,6 +134,30 @@ def load_streamed_causal_lm(
     model.eval()
     model.requires_grad_(False)
     return model, stats
+
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
+    """A torch dtype from a dtype, a name, or None (the checkpoint's own dtype)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        from transformers import AutoConfig
+
+        try:
+            stored = getattr(AutoConfig.from_pretrained(folder), "dtype", None)
+        except (OSError, ValueError):
+            stored = None  # Checkpoint() reports the folder problem with a remedy
+        if isinstance(stored, str):
+            stored = getattr(torch, stored, None)
+        return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
+    name = str(dtype).lower().removeprefix("torch.")
+    try:
+        return dtype_from_name(_DTYPE_ALIASES.get(name, name))
+    except ValueError:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.") from None
 
 
 def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:

@@ -131,7 +131,8 @@ def drive(
                 generation = event.generation
                 outcome = Outcome("".join(parts), generation.finish_reason, stats, generation)
                 break
-            if cancelled():
+            # A pass ends with its StepEvent: stopping there keeps its stats record.
+            if isinstance(event, StepEvent) and cancelled():
                 outcome = Outcome("".join(parts), "cancelled", stats)
                 break
         else:

@@ -130,3 +130,59 @@ def test_refit_grow_line_and_unknown_names_are_ignored():
         assert a.pass_seconds(w) == pytest.approx(0.004 + 0.0005 * w, rel=0.1)
     assert b == model.grow[1]
     assert model.grow[0].base == 0.01  # pure: the original is untouched
+
+
+# -- the budget policy built on the cost model ------------------------------------------------
+
+from minions_local.events import StepRecord  # noqa: E402
+from minions_local.speculation.cost_policy import CostModelBudget, calibrate_acceptance  # noqa: E402
+
+
+def simulate_accepted(rng, a, nodes, depth, top_k=8):
+    """Draw an accepted length whose mean follows the acceptance model (chain of coin flips
+    with the tree's per-depth coverage)."""
+    gains, _ = expected_accepted((a,), nodes, depth, top_k)
+    mean = gains[min(nodes, len(gains) - 1)]
+    # a geometric-like draw truncated at depth, scaled to the model's mean
+    p = mean / (1 + mean)
+    k = 0
+    while k < depth and rng.random() < p:
+        k += 1
+    return k
+
+
+def test_calibrated_acceptance_recovers_the_rate():
+    for a in (0.5, 0.8):
+        trees = []
+        for nodes, depth in [(16, 4), (64, 8), (128, 12)] * 20:
+            gains, _ = expected_accepted((a,), nodes, depth)
+            trees.append((nodes, depth, round(gains[nodes])))
+        assert calibrate_acceptance(trees) == pytest.approx(a, abs=0.04)
+
+
+def test_policy_learns_the_machine_and_the_minions():
+    truth = VerifyTime(flat=0.4, base=0.01, slope=0.002)  # the real machine: faster link than the prior
+    prior = CostModel(VerifyTime(flat=1.0, base=0.02, slope=0.001), (GrowTime("m", 0.005, 0.0001),))
+    policy = CostModelBudget(prior, max_nodes=256, max_depth=12, acceptance=0.5, refit_every=4)
+    rng = random.Random(1)
+    for _ in range(64):
+        b = policy.choose(remaining_tokens=1000)
+        assert b.predicted_t_verify is not None and 0 <= b.nodes <= 256 and b.depth <= 12
+        accepted = simulate_accepted(rng, 0.8, b.nodes, b.depth)
+        t_grow = 2 * b.predicted_t_grow / policy._grow_scale()  # minions twice as slow as the prior says
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=t_grow, t_verify=truth(b.nodes),
+                                  depth=b.depth, predicted_t_verify=b.predicted_t_verify,
+                                  predicted_t_grow=b.predicted_t_grow))
+    assert policy.acceptance == pytest.approx(0.8, abs=0.12)
+    assert policy.model.t_verify(64) == pytest.approx(truth(64), rel=0.1)
+    assert policy._grow_scale() == pytest.approx(2.0, rel=0.1)
+    b = policy.choose(remaining_tokens=3)
+    assert b.depth <= 2  # never grow deeper than the tokens still wanted
+    assert policy.choose(remaining_tokens=1).nodes == 0
+
+
+def test_policy_from_profile_uses_its_limits():
+    policy = CostModelBudget.from_profile(load_profile("rtx4090-70b"))
+    assert (policy.min_nodes, policy.max_nodes, policy.max_depth) == (8, 512, 24)
+    b = policy.choose(100)
+    assert b.nodes >= 128  # streamed 70B: large trees pay

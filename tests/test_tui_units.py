@@ -52,7 +52,7 @@ def test_stats_sum_records():
 
 def test_empty_stats_render_without_dividing_by_zero():
     text = plain(render_stats(GenerationStats(), minion_names=["a"], colors={}, memory={"ram": 2_500_000_000}))
-    assert "0.0" in text and "2.5 GB" in text and "a" in text
+    assert "appear here" in text and "2.5 GB" in text
 
 
 def test_format_bytes():

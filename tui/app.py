@@ -209,7 +209,7 @@ class ChatApp(SlashCommands, App[None]):
         colors = minion_colors(self.minion_names)
         stats = self.query_one(StatsPanel)
         stats.minion_names, stats.minion_colors, stats.memory = self.minion_names, colors, message.memory
-        stats.show(GenerationStats())
+        stats.show(GenerationStats(), title="No reply yet")
         self.query_one(TreePanel).minion_colors = colors
         self._update_subtitle()
         plan = Group(

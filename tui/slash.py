@@ -153,7 +153,7 @@ class SlashCommands:
         if self.engine is not None and hasattr(self.engine, "reset"):
             self.engine.reset()
         self.session_stats = GenerationStats()
-        self.query_one(StatsPanel).show(GenerationStats())
+        self.query_one(StatsPanel).show(GenerationStats(), title="No reply yet")
         self.query_one(TreePanel).show(None, 0)
         self._update_subtitle()
         log.anchor()

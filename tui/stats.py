@@ -162,7 +162,12 @@ def render_stats(
     def heading(text: str) -> Text:
         return Text(text, style="bold underline")
 
-    parts = [heading(title), speed, Text(""), heading("Accepted tokens by minion"), shares]
+    if stats.passes == 0:
+        waiting = Text("Speed, tree size, streaming and each minion's share appear here while a reply streams.",
+                       style="dim italic")
+        parts = [heading(title), waiting]
+    else:
+        parts = [heading(title), speed, Text(""), heading("Accepted tokens by minion"), shares]
     if memory:
         parts += [Text(""), heading("Memory per tier"), tiers]
     return Group(*parts)

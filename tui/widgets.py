@@ -202,7 +202,7 @@ class StatsPanel(Vertical):
         yield Sparkline([], id="stats-spark")
 
     def on_mount(self) -> None:
-        self.show(self.stats)
+        self.show(self.stats, title="No reply yet")
 
     def show(self, stats: GenerationStats, *, title: str = "This reply") -> None:
         self.stats = stats

@@ -179,6 +179,13 @@ def write_pack(path: Path, *, layer: int, layout: LayerLayout, payload: torch.Te
     return PackFile(path, layer, layout, payload_offset, crc)
 
 
+def _open_direct(path: Path) -> int:
+    """An O_DIRECT descriptor; OSError(EINVAL) where the file system refuses it."""
+    if not hasattr(os, "O_DIRECT"):
+        raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
+    return os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+
 class PackReader:
     """Reads pack payloads into block-aligned buffers without filling the page cache."""
 
@@ -187,12 +194,11 @@ class PackReader:
         self.direct = True
         self.verified = False
         try:
-            self.fd = os.open(pack.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            self.fd = _open_direct(pack.path)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise ModelLoadError(f"cannot open layer pack {pack.path}: {e.strerror}") from e
             self._reopen_buffered()
-        self.direct = self.direct and hasattr(os, "O_DIRECT")
 
     def _reopen_buffered(self) -> None:
         self.direct = False
@@ -241,7 +247,7 @@ def read_file_direct(path: Path, buffer: torch.Tensor, chunk: int = READ_CHUNK) 
     `PackReader`, nothing overlapped.
     """
     view = memoryview(buffer.numpy())
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    fd = _open_direct(path)
     try:
         size = os.fstat(fd).st_size
         aligned = size // BLOCK * BLOCK

@@ -1,0 +1,113 @@
+"""The disk tier's pack files: reuse, rebuild, damage and unwritable places."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from minions_local.errors import MemoryPlanError, ModelLoadError
+from minions_local.offload import disk, load_streamed_causal_lm
+from offload_helpers import max_diff, one_thread, resident, save_tiny, tree_pass_logits
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture()
+def llama(tmp_path):
+    return save_tiny(tmp_path, "llama", layers=3)
+
+
+def packs(cache):
+    return sorted(cache.rglob("layer_*.pack"))
+
+
+def load(path, cache, **kw):
+    return load_streamed_causal_lm(path, tier="disk", dtype=torch.float32, cache_dir=cache, **kw)
+
+
+def test_packs_are_reused_then_rebuilt_when_the_model_changes(llama, tmp_path):
+    cache = tmp_path / "cache"
+    load(llama, cache)
+    first = {p: p.stat().st_mtime_ns for p in packs(cache)}
+    assert len(first) == 3 and not list(cache.rglob("*.tmp"))
+    load(llama, cache)
+    assert {p: p.stat().st_mtime_ns for p in packs(cache)} == first
+
+    save_tiny(tmp_path, "llama", layers=3, seed=7)  # same folder, new weights
+    model, _ = load(llama, cache)
+    assert all(p.stat().st_mtime_ns != t for p, t in first.items())
+    assert max_diff(tree_pass_logits(model, steps=1), tree_pass_logits(resident(llama), steps=1)) <= 1e-5
+
+
+def test_truncated_pack_is_named(llama, tmp_path):
+    cache = tmp_path / "cache"
+    load(llama, cache)
+    victim = packs(cache)[1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size - 4096)
+    with pytest.raises(ModelLoadError, match="layer_0001.pack") as err:
+        load(llama, cache)
+    assert "truncated" in str(err.value) and "Delete it" in str(err.value)
+
+
+def test_corrupt_header_is_named(llama, tmp_path):
+    cache = tmp_path / "cache"
+    load(llama, cache)
+    victim = packs(cache)[0]
+    with open(victim, "r+b") as f:
+        f.write(b"GARBAGE!")
+    with pytest.raises(ModelLoadError, match=f"{victim}.*bad magic"):
+        load(llama, cache)
+
+
+def test_corrupt_payload_is_found_on_first_read(llama, tmp_path):
+    cache = tmp_path / "cache"
+    load(llama, cache)
+    victim = packs(cache)[2]
+    with open(victim, "r+b") as f:
+        f.seek(-5000, os.SEEK_END)
+        f.write(b"\xff" * 64)
+    model, _ = load(llama, cache)  # only layer 0 is read at load time
+    with pytest.raises(ModelLoadError, match="layer_0002.pack.*checksum"):
+        tree_pass_logits(model, steps=0)
+
+
+def test_unwritable_cache_dir_is_named(llama, tmp_path, monkeypatch):
+    cache = tmp_path / "readonly"
+    if os.geteuid() == 0:  # root writes through permission bits: simulate a read-only mount
+        def refuse(path):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+        monkeypatch.setattr(disk, "_create_file", refuse)
+    else:
+        cache.mkdir()
+        cache.chmod(0o555)
+    with pytest.raises(MemoryPlanError, match=f"{cache}.*(Read-only|Permission).*cache_dir"):
+        load(llama, cache)
+
+
+def test_full_disk_is_named(llama, tmp_path, monkeypatch):
+    class Usage:
+        free = 10_000
+
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda _p: Usage)
+    with pytest.raises(MemoryPlanError, match=f"GB for layer packs in {tmp_path / 'cache'}.*free"):
+        load(llama, tmp_path / "cache")
+
+
+def test_no_o_direct_falls_back_visibly(llama, tmp_path, monkeypatch):
+    def refuse(path):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(disk, "_open_direct", refuse)
+    model, stats = load(llama, tmp_path / "cache")
+    assert stats.read_mode == "fadvise"
+    assert any("O_DIRECT" in w for w in stats.warnings)
+    assert max_diff(tree_pass_logits(model, steps=1), tree_pass_logits(resident(llama), steps=1)) <= 1e-5

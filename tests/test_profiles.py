@@ -154,3 +154,21 @@ def test_cli_exit_status_and_no_traceback(capsys):
     assert main(["--plan", "rtx4090-70b"]) == 0
     assert main(["--schema"]) == 0
     assert "device_memory_gb" in capsys.readouterr().out
+
+
+def test_engine_kwargs_from_profile_follow_the_plan():
+    from minions_local.profile_engine import engine_kwargs_from_profile
+    from minions_local.speculation.cost_policy import CostModelBudget
+
+    kw = engine_kwargs_from_profile("rtx4090-70b")
+    assert kw["device"] == "cuda" and kw["target_tier"] == "ram" and kw["dtype"] == "float16"
+    assert kw["minions"][-1] == "ngram" and kw["target"].endswith("Llama-3.1-70B-Instruct")
+    opts = kw["stream_options"]
+    assert opts["quant"] == "int4" and opts["buffers"] == 2 and len(opts["layer_tiers"]) == 80
+    assert isinstance(kw["budget"], CostModelBudget) and kw["memory_plan"].layer_tiers == opts["layer_tiers"]
+
+    disk = engine_kwargs_from_profile("cpu-demo-disk", budget=16)
+    assert disk["target_tier"] == "disk" and disk["budget"] == 16
+    assert set(disk["stream_options"]["layer_tiers"]) == {"disk"}
+    resident = engine_kwargs_from_profile("cpu-demo")
+    assert resident["target_tier"] == "device" and resident["stream_options"] == {}

@@ -26,29 +26,53 @@ __all__ = ["Profile", "available_profiles", "load_profile", "plan_report", "sche
 
 def schema_reference() -> str:
     """Every profile field with its type, default and description (markdown)."""
-    from pydantic import BaseModel
-
     from .profile import schema
 
     sections = [
-        ("hardware", schema.Hardware),
-        ("target", schema.Target),
-        ("target.dims / minions.dims", schema.KnownDims),
+        ("[hardware]", schema.Hardware),
+        ("[target]", schema.Target),
+        ("[target.dims], [minions.dims]", schema.KnownDims),
         ("[[minions]]", schema.Minion),
-        ("speculation", schema.Speculation),
+        ("[speculation]", schema.Speculation),
     ]
     out = ["# Profile fields", ""]
     for title, model in sections:
-        out += [f"## [{title}]" if not title.startswith("[") else f"## {title}", "", (model.__doc__ or "").strip(), ""]
+        out += [f"## {title}", "", (model.__doc__ or "").strip(), ""]
         out += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for name, f in model.model_fields.items():
-            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-                continue
+            kind = _type_name(f.annotation)
+            if kind is None:
+                continue  # a nested table, documented in its own section
             default = "required" if f.is_required() else repr(f.get_default(call_default_factory=True))
-            kind = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
             out.append(f"| `{name}` | {kind} | {default} | {f.description or ''} |")
         out.append("")
     return "\n".join(out)
+
+
+def _type_name(annotation) -> str | None:
+    """A short, table-safe name: 'cpu' / 'cuda' for literals; None for nested tables."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " / ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        names = [_type_name(a) for a in inner]
+        if any(n is None for n in names):
+            return None
+        return " or ".join(names) + (", optional" if len(inner) < len(args) else "")
+    if origin is dict:
+        return "table"
+    if origin is list:
+        return "list"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,3 +71,44 @@ def test_writer_keeps_small_timings():
     assert tomllib.loads(dumps({"t": 2.5e-05, "n": 3.0}))["t"] == pytest.approx(2.5e-05)
     with pytest.raises(ValueError):
         dumps({"t": float("nan")})
+
+
+# -- CUDA: run when a GPU is present (pytest -m gpu) -------------------------------------------
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+needs_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_copies_memory_and_matmuls():
+    from minions_local.profile.measure import copy_speeds, matmul_tflops, weight_read_gbps
+
+    speeds = copy_speeds(256 << 20, 0.2)
+    assert speeds["pinned"] > 2 and speeds["pageable"] > 0.5
+    assert speeds["pinned"] >= 0.8 * speeds["pageable"]  # pinned is the fast path the layer store uses
+    assert weight_read_gbps("cuda", "float16", 256 << 20, 0.2) > 100
+    assert matmul_tflops("cuda", "float16", 4096, 0.2) > 5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_quick_autotune_on_cuda_with_the_70b_template(tmp_path):
+    out = tmp_path / "gpu.toml"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--profile", "rtx4090-70b", "--out", str(out),
+         "--disk-path", str(tmp_path / "disk")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["device"] == "cuda" and summary["host_to_device_pinned_gbps"] > 2
+    profile = load_profile(out)
+    assert profile.hardware.device == "cuda" and profile.hardware.host_to_device_pageable_gbps
+    plan = plan_memory(profile)
+    assert CostModel.from_profile(profile, plan).t_verify(0) > 0

@@ -68,8 +68,8 @@ def _cost_lines(model: CostModel, hw) -> str:
         "Cost model (prior, from the profile):",
         f"  verify: {v.flat * 1e3:.0f} ms per pass up to ~{knee} draft nodes, then "
         f"+{v.slope * 1e3:.2f} ms per node (stream {p.get('stream', 0) * 1e3:.0f} ms: RAM "
-        f"{p.get('stream_ram', 0) * 1e3:.0f} ms at {hw.host_to_device_gbps:g} GB/s, disk "
-        f"{p.get('stream_disk', 0) * 1e3:.0f} ms at {hw.disk_read_gbps:g} GB/s; weight-read "
+        f"{p.get('stream_ram', 0) * 1e3:.0f} ms at {hw.host_to_device_gbps:.3g} GB/s, disk "
+        f"{p.get('stream_disk', 0) * 1e3:.0f} ms at {hw.disk_read_gbps:.3g} GB/s; weight-read "
         f"floor {p.get('floor', 0) * 1e3:.0f} ms; overhead {p.get('overhead', 0) * 1e3:.0f} ms)",
     ]
     for g in model.grow:

@@ -21,9 +21,13 @@ def _solve_line(
 ) -> tuple[float, float]:
     """Fit y = a + b*x minimising sum(((y - a - b x)/y)^2) + ridge toward prior (a0, b0)."""
     a0, b0 = prior
-    # Ridge terms, in relative units: weight * ((a - a0)/sa)^2 with sa = max(|a0|, eps).
-    ra = weight / max(abs(a0), _EPS) ** 2
-    rb = weight / max(abs(b0), _EPS / max(max(xs, default=1.0), 1.0)) ** 2
+    # Ridge terms in relative units: weight * ((a - a0) / sa)^2. The scale is the prior
+    # or the data's own magnitude, whichever is larger, so that a prior that is off by
+    # orders of magnitude (a guessed overhead) cannot outvote the measurements.
+    y_mean = sum(ys) / len(ys)
+    x_mean = max(sum(xs) / len(xs), 1e-9)
+    ra = weight / max(abs(a0), y_mean, _EPS) ** 2
+    rb = weight / max(abs(b0), y_mean / x_mean, _EPS) ** 2
     saa, sab, sbb, sa, sb = ra, 0.0, rb, ra * a0, rb * b0
     for x, y in zip(xs, ys):
         w = 1.0 / max(y, _EPS) ** 2
@@ -65,24 +69,26 @@ def fit_hinge(
     pts = sorted((float(x), float(y)) for x, y in samples if y > 0)
     if not pts:
         return prior
+    y_mean = sum(y for _, y in pts) / len(pts)
+    x_mean = max(sum(x for x, _ in pts) / len(pts), 1e-9)
     best: tuple[float, tuple[float, float, float]] | None = None
     for k in range(len(pts) + 1):
         flat_part, slope_part = pts[:k], pts[k:]
-        flat = _fit_constant([y for _, y in flat_part], prior[0], weight)
+        flat = _fit_constant([y for _, y in flat_part], prior[0], weight, y_mean)
         if slope_part:
             xs, ys = zip(*slope_part)
             base, slope = _solve_line(xs, ys, prior[1:], weight)
         else:
             base, slope = prior[1], prior[2]
         coef = (flat, base, slope)
-        cost = _cost(pts, coef, prior, weight)
+        cost = _cost(pts, coef, prior, weight, (y_mean, y_mean, y_mean / x_mean))
         if best is None or cost < best[0]:
             best = (cost, coef)
     return best[1]
 
 
-def _fit_constant(ys: Sequence[float], prior: float, weight: float) -> float:
-    r = weight / max(prior, _EPS) ** 2
+def _fit_constant(ys: Sequence[float], prior: float, weight: float, scale: float) -> float:
+    r = weight / max(prior, scale, _EPS) ** 2
     num, den = r * prior, r
     for y in ys:
         num += 1.0 / y
@@ -90,10 +96,9 @@ def _fit_constant(ys: Sequence[float], prior: float, weight: float) -> float:
     return num / den
 
 
-def _cost(pts, coef, prior, weight) -> float:
+def _cost(pts, coef, prior, weight, scales) -> float:
     flat, base, slope = coef
     cost = sum(((y - max(flat, base + slope * x)) / y) ** 2 for x, y in pts)
-    scale = max(max(x for x, _ in pts), 1.0)
-    for value, p0, floor in zip(coef, prior, (_EPS, _EPS, _EPS / scale)):
-        cost += weight * ((value - p0) / max(abs(p0), floor)) ** 2
+    for value, p0, scale in zip(coef, prior, scales):
+        cost += weight * ((value - p0) / max(abs(p0), scale, _EPS)) ** 2
     return cost

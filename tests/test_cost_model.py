@@ -186,3 +186,19 @@ def test_policy_from_profile_uses_its_limits():
     assert (policy.min_nodes, policy.max_nodes, policy.max_depth) == (8, 512, 24)
     b = policy.choose(100)
     assert b.nodes >= 128  # streamed 70B: large trees pay
+
+
+def test_autotune_measurements_replace_the_guesses():
+    from minions_local.profile.schema import Measurements, TimingSample
+
+    profile = load_profile("cpu-demo")
+    guess = CostModel.from_profile(profile)
+    grow = [TimingSample(model="minion-llama-s", tokens=w, seconds=0.01 + 0.002 * w) for w in (1, 4, 16)]
+    layer = [TimingSample(model="target", tokens=t, seconds=0.001 + 0.0001 * t) for t in (1, 16, 64)]
+    profile.measurements = Measurements(grow=grow, target_layer=layer)
+    measured = CostModel.from_profile(profile)
+    g = next(g for g in measured.grow if g.name == "minion-llama-s")
+    assert g.pass_seconds(8) == pytest.approx(0.01 + 0.002 * 8, rel=0.05)
+    assert measured.verify.slope == pytest.approx(6 * 0.0001, rel=0.01)  # per layer x 6 layers
+    assert measured.t_verify(0) >= 6 * 0.0011
+    assert measured.verify != guess.verify

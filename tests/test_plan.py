@@ -118,3 +118,28 @@ def test_planning_imports_no_torch():
     code = ("import sys; from minions_local.profiles import plan_report; plan_report('rtx4090-70b'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gguf_minion_sizes_come_from_the_file(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "small.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_context_length(256)
+    w.add_vocab_size(100)
+    w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    profile = load_profile("cpu-demo", minions=[str(path), "ngram"])
+    plan = plan_memory(profile)
+    assert plan.minion_dims["small"] == ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                                                  vocab=100, tied_embeddings=True, max_context=256)
+    assert plan.minion_bytes["small"] == path.stat().st_size

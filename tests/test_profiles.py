@@ -172,3 +172,12 @@ def test_engine_kwargs_from_profile_follow_the_plan():
     assert set(disk["stream_options"]["layer_tiers"]) == {"disk"}
     resident = engine_kwargs_from_profile("cpu-demo")
     assert resident["target_tier"] == "device" and resident["stream_options"] == {}
+
+
+def test_readme_documents_every_field():
+    from minions_local.profile import schema
+
+    readme = (Path(__file__).resolve().parents[1] / "profiles" / "README.md").read_text()
+    for model in (schema.Hardware, schema.Target, schema.KnownDims, schema.Minion, schema.Speculation):
+        for name in model.model_fields:
+            assert f"`{name}`" in readme, f"profiles/README.md lacks {model.__name__}.{name}: regenerate with --schema"

@@ -147,6 +147,43 @@ class ModelDims:
             raise ProfileError(f"cannot read the model's dimensions from {path}: {err}") from err
 
 
+def dims_from_gguf(path: Path) -> ModelDims:
+    """From a GGUF file's metadata (needs the `gguf` package, an optional dependency)."""
+    try:
+        import gguf
+    except ImportError as err:
+        raise ProfileError(
+            f"reading {path} needs the 'gguf' package (pip install 'minions-local[gguf]'), "
+            "or list the model's dims in the profile"
+        ) from err
+    try:
+        reader = gguf.GGUFReader(str(path))
+        fields = reader.fields
+        arch = fields["general.architecture"].contents()
+
+        def get(key: str, default: Any = None) -> Any:
+            field = fields.get(f"{arch}.{key}")
+            return field.contents() if field is not None else default
+
+        heads = int(get("attention.head_count"))
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        names = {t.name for t in reader.tensors}
+        return ModelDims(
+            layers=int(get("block_count")),
+            hidden=int(get("embedding_length")),
+            intermediate=int(get("feed_forward_length")),
+            heads=heads,
+            kv_heads=int(get("attention.head_count_kv", heads)),
+            vocab=int(vocab),
+            head_dim=int(get("attention.key_length", 0) or 0),
+            tied_embeddings="output.weight" not in names,
+            max_context=get("context_length"),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ProfileError(f"cannot read the model's dimensions from {path}: {err}") from err
+
+
 def dims_for(path: str | None, known: Any | None, what: str) -> ModelDims:
     """Dimensions of the model at `path`: its config.json when present, else `known`.
 
@@ -158,6 +195,8 @@ def dims_for(path: str | None, known: Any | None, what: str) -> ModelDims:
         folder = folder.parent  # a GGUF file: a config.json beside it, if any
     if folder is not None and (folder / "config.json").is_file():
         return ModelDims.from_folder(folder)
+    if known is None and path and str(path).endswith(".gguf") and Path(path).is_file():
+        return dims_from_gguf(Path(path))
     if known is not None:
         fields = {k: v for k, v in known.model_dump().items() if k in ModelDims.__dataclass_fields__}
         return ModelDims(**{k: v for k, v in fields.items() if v is not None})

@@ -181,3 +181,15 @@ def test_readme_documents_every_field():
     for model in (schema.Hardware, schema.Target, schema.KnownDims, schema.Minion, schema.Speculation):
         for name in model.model_fields:
             assert f"`{name}`" in readme, f"profiles/README.md lacks {model.__name__}.{name}: regenerate with --schema"
+
+
+def test_command_line_paths_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    text = MINIMAL.format(target="t") + '\n[[minions]]\npath = "beside"\n'
+    path = write(folder, text)
+    monkeypatch.chdir(tmp_path)
+    profile = load_profile(path, target="mine")
+    assert profile.target.path == str(tmp_path / "mine")
+    assert profile.minions[0].path == str(folder / "beside")  # still relative to the profile file
+    assert load_profile(path, minions=["demo:target"]).minions[0].path.endswith("demo_models/target")

@@ -109,7 +109,7 @@ def load_profile(
         profile = Profile.model_validate(data)
     except ValidationError as err:
         raise ProfileError(_explain(err, path, text)) from None
-    profile = _resolve_paths(profile, relative_to=path.parent if target is None else Path.cwd())
+    profile = _resolve_paths(profile, relative_to=path.parent)
     profile._source = str(path)
     return profile
 
@@ -121,7 +121,7 @@ def _profile_name(path: Path) -> str:
 def _apply_overrides(data: dict[str, Any], *, target, minions, tier) -> dict[str, Any]:
     if target is not None:
         section = dict(data.get("target", {}))
-        section["path"] = str(target)
+        section["path"] = _from_command_line(str(target))
         section["format"] = "gguf" if str(target).endswith(".gguf") else "hf"
         section.pop("dims", None)  # they described the profile's model, not this one
         data["target"] = section
@@ -136,11 +136,20 @@ def _minion_override(spec: str, data: dict[str, Any]) -> dict[str, Any]:
     if spec == "ngram":
         return {"kind": "ngram"}
     kind = "gguf" if spec.endswith(".gguf") else "hf"
+    spec = _from_command_line(spec)
     # Keep how the profile ran minions of this kind on this machine (quantization,
     # device), which suits the hardware, but not its dims, which suit other models.
     like = next((m for m in data.get("minions", []) if m.get("kind", "hf") == kind), {})
     keep = {k: like[k] for k in ("quantization", "device", "dtype", "backend") if k in like}
     return {**keep, "kind": kind, "path": spec}
+
+
+def _from_command_line(spec: str) -> str:
+    """A path typed on the command line is relative to the working directory, not to
+    the profile file; 'demo:' and 'models:' references keep their meaning."""
+    if spec.startswith(("demo:", "models:")):
+        return spec
+    return str(Path(spec).expanduser().resolve())
 
 
 def _resolve_paths(profile: Profile, relative_to: Path) -> Profile:

@@ -1,0 +1,120 @@
+"""How good the demo family is: held-out loss, and how often the minions' greedy
+choice is the target's (which is what makes speculative decoding pay).
+
+Models are evaluated as shipped (weights rounded to bf16) but computed in fp32, so
+the figures do not wobble with bf16 rounding of activations.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+CHAIN_DEPTH = 8  # draft tokens per pass in the chain simulations below
+
+
+def as_shipped(model: PreTrainedModel) -> PreTrainedModel:
+    """An fp32 copy whose weights went through bf16, like the saved files."""
+    shipped = copy.deepcopy(model).to(torch.bfloat16).float()
+    shipped.eval()
+    return shipped
+
+
+@torch.no_grad()
+def mean_loss(model: PreTrainedModel, windows: list[torch.Tensor]) -> float:
+    total, count = 0.0, 0
+    for window in windows:
+        logits = model(input_ids=window[None, :-1]).logits[0]
+        total += float(F.cross_entropy(logits, window[1:], reduction="sum"))
+        count += window.numel() - 1
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def greedy_choices(model: PreTrainedModel, windows: list[torch.Tensor], k: int = 4) -> list[torch.Tensor]:
+    """Top-k next-token ids at every position of every window, [len, k] each."""
+    return [model(input_ids=w[None]).logits[0].topk(k, dim=-1).indices for w in windows]
+
+
+@torch.no_grad()
+def greedy_continuations(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The model's greedy continuation of each prompt (no early stop), [B, P + new]."""
+    cache = DynamicCache()
+    logits = model(input_ids=prompts, past_key_values=cache, use_cache=True).logits[:, -1]
+    out = [prompts]
+    for _ in range(new_tokens):
+        token = logits.argmax(-1, keepdim=True)
+        out.append(token)
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)
+
+
+def leading_run(agree: torch.Tensor, start: int, depth: int) -> int:
+    run = 0
+    while run < depth and start + run < agree.numel() and bool(agree[start + run]):
+        run += 1
+    return run
+
+
+def tokens_per_pass(agree_by_branch: list[torch.Tensor], depth: int = CHAIN_DEPTH) -> float:
+    """Simulated greedy speculative decoding along one sequence.
+
+    ``agree_by_branch[m][i]``: draft model m's greedy token for position i equals the
+    target's. Each pass drafts one chain of ``depth`` tokens per model (a tree of
+    chains sharing the root); the target accepts the longest agreeing chain and adds
+    its own next token. Exact for greedy decoding when the sequence is the target's
+    own greedy output.
+    """
+    n = agree_by_branch[0].numel()
+    position, passes = 0, 0
+    while position < n:
+        accepted = max(leading_run(agree, position, depth) for agree in agree_by_branch)
+        position += accepted + 1
+        passes += 1
+    return n / max(passes, 1)
+
+
+def mean_run(agree: torch.Tensor, depth: int = CHAIN_DEPTH) -> float:
+    """Expected accepted draft length if a pass could start at any position."""
+    return sum(leading_run(agree, i, depth) for i in range(agree.numel())) / max(agree.numel(), 1)
+
+
+@dataclass
+class AgreementReport:
+    top1: float  # minion argmax == target argmax
+    top4: float  # target argmax within the minion's top 4 (room for trees)
+    mean_run: float  # expected accepted length of a greedy chain (depth 8)
+    chain_tokens_per_pass: float  # simulated, depth-8 chain, incl. the target's own token
+
+
+def agreement(target_top: list[torch.Tensor], minion_top: list[torch.Tensor], skip: int = 0) -> AgreementReport:
+    """Compare greedy choices window by window, ignoring the first ``skip`` positions."""
+    agrees = [(m[skip:, 0] == t[skip:, 0]) for t, m in zip(target_top, minion_top)]
+    covers = [(m[skip:] == t[skip:, :1]).any(-1) for t, m in zip(target_top, minion_top)]
+    flat = torch.cat(agrees).float()
+    return AgreementReport(
+        top1=float(flat.mean()),
+        top4=float(torch.cat(covers).float().mean()),
+        mean_run=_weighted([mean_run(a) for a in agrees], agrees),
+        chain_tokens_per_pass=_weighted([tokens_per_pass([a]) for a in agrees], agrees),
+    )
+
+
+def tree_of_chains_tokens_per_pass(
+    target_top: list[torch.Tensor], minions_top: list[list[torch.Tensor]], skip: int = 0
+) -> float:
+    """Simulated tokens per target pass when every minion contributes its chain."""
+    per_window = []
+    for w, t in enumerate(target_top):
+        branches = [m[w][skip:, 0] == t[skip:, 0] for m in minions_top]
+        per_window.append(tokens_per_pass(branches))
+    return _weighted(per_window, [t[skip:] for t in target_top])
+
+
+def _weighted(values: list[float], seqs: list[torch.Tensor]) -> float:
+    weights = [s.shape[0] for s in seqs]
+    return sum(v * w for v, w in zip(values, weights)) / max(sum(weights), 1)

@@ -271,6 +271,8 @@ async def test_error_before_any_text_gives_the_question_back(tmp_path):
         await send(pilot, "a long question")
         assert app.conversation.messages == []
         assert app.prompt.text == "a long question"
+        assert not app.query(UserMessage) and not app.query(AssistantMessage)
+        assert any("Too long." in n for n in notes(app))
 
 
 async def test_save_then_resume_reuses_conversation(tmp_path):

@@ -101,6 +101,7 @@ class ChatApp(SlashCommands, App[None]):
         self.session_stats = GenerationStats()
         self.generating = False
         self._reply: AssistantMessage | None = None
+        self._question: UserMessage | None = None
         self._generation: Worker | None = None
         self._loading: LoadingPanel | None = None
         self._load_failed = False
@@ -260,7 +261,8 @@ class ChatApp(SlashCommands, App[None]):
     async def _send(self, text: str) -> None:
         self.conversation.messages.append({"role": "user", "content": text})
         self._reply = AssistantMessage(label=self.profile)
-        await self._say(UserMessage(text))
+        self._question = UserMessage(text)
+        await self._say(self._question)
         await self._say(self._reply)
         self._reply.footer.update("generating…  Esc stops")
         self.chat_log.anchor()
@@ -314,6 +316,11 @@ class ChatApp(SlashCommands, App[None]):
             last = self.conversation.messages.pop()
             if not self.prompt.text:
                 self.prompt.text = last["content"]
+                self.prompt.move_cursor(self.prompt.document.end)
+            for widget in (self._question, reply):
+                if widget is not None:
+                    await widget.remove()
+            reply = None
         if reply is not None:
             await reply.finish(self._footer(message, stats))
         if message.error:

@@ -35,7 +35,18 @@ def load_engine(profile: str, *, progress: Callable[[LoadProgress], None], **ove
             "with its dependencies (torch first: `pip install torch`, then "
             "`pip install minions-local`)."
         ) from err
+    _quiet_libraries()
     return Engine.from_profile(profile, progress=progress, **overrides)
+
+
+def _quiet_libraries() -> None:
+    """Library progress bars would draw over the app (and clutter --plain's stderr);
+    the engine reports loading through `progress` instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
 
 
 def overrides_from(target: str | None, minions: list[str] | None) -> dict[str, Any]:

@@ -15,6 +15,10 @@ from .cost import CostModel, GrowTime, VerifyTime
 
 GB = 1e9
 NGRAM_PASS_S = 0.0002  # a dictionary lookup per level
+# A minion kept on the CPU of a GPU box: the profile measures only the GPU, so assume a
+# desktop CPU (a few cores of AVX2, dual-channel DDR).
+HOST_CPU_TFLOPS = 0.5
+HOST_CPU_GBPS = 20.0
 
 
 def stream_seconds(profile: Profile, plan: MemoryPlan) -> tuple[float, float]:
@@ -81,11 +85,11 @@ def grow_prior(profile: Profile, plan: MemoryPlan) -> tuple[GrowTime, ...]:
             out.append(GrowTime(m.name, NGRAM_PASS_S, 0.0))
             continue
         dims = plan.minion_dims[m.name]
-        on_cpu = (m.device or hw.device) == "cpu"
-        mem_gbps = hw.device_memory_gbps
+        off_device = (m.device or hw.device) != hw.device
+        mem_gbps = HOST_CPU_GBPS if off_device else hw.device_memory_gbps
+        tflops = HOST_CPU_TFLOPS if off_device else hw.tflops(m.dtype)
         size = plan.minion_bytes[m.name]
         base = dims.layers * hw.layer_overhead_ms / 1e3 + size / (mem_gbps * GB)
-        tflops = hw.tflops(m.dtype) if not (on_cpu and hw.device == "cuda") else 0.5
         per_token = dims.flops_per_token(profile.target.context_tokens // 4) / (tflops * 1e12)
         g = GrowTime(m.name, base, per_token)
         if m.name in measured:

@@ -193,3 +193,21 @@ def test_command_line_paths_are_relative_to_the_working_directory(tmp_path, monk
     assert profile.target.path == str(tmp_path / "mine")
     assert profile.minions[0].path == str(folder / "beside")  # still relative to the profile file
     assert load_profile(path, minions=["demo:target"]).minions[0].path.endswith("demo_models/target")
+
+
+def test_demo_profiles_point_at_the_shipped_family():
+    from minions_local.profile.dims import dims_for
+    from minions_local.profile.loader import demo_models_dir
+
+    folder = demo_models_dir()
+    if not folder.is_dir() or not any(folder.glob("*/config.json")):
+        pytest.skip("the demo family is not built yet (scripts/demo_training.py)")
+    for name in ("cpu-demo", "cpu-demo-disk"):
+        profile = load_profile(name)
+        for section in [profile.target] + [m for m in profile.minions if m.path]:
+            assert (Path(section.path) / "config.json").is_file(), section.path
+            real = dims_for(section.path, None, "model")
+            listed = dims_for(None, section.dims, "model")
+            assert (real.layers, real.hidden, real.intermediate, real.heads, real.kv_heads, real.vocab) == (
+                listed.layers, listed.hidden, listed.intermediate, listed.heads, listed.kv_heads, listed.vocab
+            ), f"{name}: the dims listed for {section.path} are stale"

@@ -79,8 +79,12 @@ class ChatApp(SlashCommands, App[None]):
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+c", "interrupt", "Stop / quit", priority=True, show=False),
         Binding("ctrl+t", "toggle_tree", "Tree"),
+        Binding("f2", "toggle_stats", "Stats"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
+
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    """Below 100 columns the stats panel starts hidden (F2 shows it)."""
 
     def __init__(
         self,
@@ -159,6 +163,8 @@ class ChatApp(SlashCommands, App[None]):
     async def _start_loading(self, profile: str, overrides: dict[str, Any]) -> None:
         self.engine = None
         self._load_failed = False
+        if self._loading is not None:  # a load was already running: it is abandoned
+            await self._loading.remove()
         self.profile = profile
         self._update_subtitle()
         self._loading = LoadingPanel(profile)
@@ -379,6 +385,10 @@ class ChatApp(SlashCommands, App[None]):
 
     async def action_quit(self) -> None:
         self.action_quit_now()
+
+    def action_toggle_stats(self) -> None:
+        panel = self.query_one(StatsPanel)
+        panel.display = not panel.display
 
     def action_toggle_tree(self) -> None:
         panel = self.query_one(TreePanel)

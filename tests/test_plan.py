@@ -143,3 +143,16 @@ def test_gguf_minion_sizes_come_from_the_file(tmp_path):
     assert plan.minion_dims["small"] == ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
                                                   vocab=100, tied_embeddings=True, max_context=256)
     assert plan.minion_bytes["small"] == path.stat().st_size
+
+
+def test_cli_reports_a_profile_that_cannot_fit(tmp_path, capsys):
+    from minions_local.profiles import main
+    from minions_local.profile.loader import shipped_dir
+
+    text = (shipped_dir() / "rtx4090-70b.toml").read_text().replace("device_memory_gb = 24.0", "device_memory_gb = 4.0")
+    path = tmp_path / "small-card.toml"
+    path.write_text(text)
+    assert main(["--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "device_memory_gb = 4.0" in err and "Change one of" in err and "Traceback" not in err
+    assert main(["--plan", "cpu-demo.toml"]) == 0  # the shipped file by its file name

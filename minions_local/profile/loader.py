@@ -69,6 +69,8 @@ def _find_file(name_or_path: str | os.PathLike) -> Path:
     if text.endswith(".toml") or os.sep in text and not text.startswith("generated/"):
         if as_path.is_file():
             return as_path.resolve()
+        if (shipped_dir() / text).is_file():  # 'cpu-demo.toml' means the shipped one
+            return shipped_dir() / text
         raise ProfileError(f"profile file not found: {as_path}")
     candidate = shipped_dir() / f"{text}.toml"
     if candidate.is_file():

@@ -18,6 +18,11 @@ Expected accepted tokens come from `expected_accepted` below: an ESTIMATE from a
 simple tree model, not a measurement. The engine can pass its own calibrated node
 scores instead (`best_verify_size`). Online refinement: `refined(...)` refits the
 coefficients to measured (N, seconds) samples (cost_fit.py).
+
+    model = CostModel.from_profile(load_profile("rtx4090-70b"))   # prior (cost_prior.py)
+    choice = model.best_budget(0.8, max_nodes=512, max_depth=24)  # BudgetChoice
+    model = model.refined(verify_samples=[(nodes, seconds), ...])
+    # or, as a decoder BudgetPolicy that does all of this online: cost_policy.CostModelBudget
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from minions_local.errors import MinionsError
 from minions_local.profile import load_profile, measure
-from minions_local.profile.loader import _find_file, generated_dir, shipped_dir
+from minions_local.profile.loader import apply_overrides, find_profile_file, generated_dir, shipped_dir
 from minions_local.profile.writer import dumps
 
 MODES = {
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     console = Console(stderr=True)
     try:
-        template_path = _find_file(args.profile)
-        template = load_profile(template_path)
+        template_path = find_profile_file(args.profile)
+        template = load_profile(template_path, target=args.target, minions=args.minion)
     except MinionsError as err:
         console.print(f"[red]error:[/] {err}")
         return 2
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         results = measure_all(template, MODES[mode], args, progress)
-    raw = tomllib.loads(template_path.read_text())
+    raw = apply_overrides(tomllib.loads(template_path.read_text()), target=args.target, minions=args.minion,
+                           tier=None)
     text = build_profile(raw, template, results, out, mode)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -84,6 +85,8 @@ def parse_args(argv):
     speed.add_argument("--tiny", action="store_true", help="seconds, no model timings (for tests)")
     p.add_argument("--profile", default="cpu-demo", help="template profile: models and limits (default cpu-demo)")
     p.add_argument("--out", help="where to write (default profiles/generated/TEMPLATE-HOST.toml)")
+    p.add_argument("--target", help="time this target model instead of the template's")
+    p.add_argument("--minion", action="append", help="time this minion instead of the template's (repeat)")
     p.add_argument("--disk-path", help="folder to measure and stream from (default: the template's)")
     p.add_argument("--no-models", action="store_true", help="skip minion and target timings")
     return p.parse_args(argv)

@@ -63,7 +63,8 @@ def resolve_model_path(spec: str, relative_to: Path | None = None) -> str:
     return str(path.resolve())
 
 
-def _find_file(name_or_path: str | os.PathLike) -> Path:
+def find_profile_file(name_or_path: str | os.PathLike) -> Path:
+    """The .toml file a profile name or path refers to (ProfileError listing names if none)."""
     text = str(name_or_path)
     as_path = Path(text).expanduser()
     if text.endswith(".toml") or os.sep in text and not text.startswith("generated/"):
@@ -99,14 +100,14 @@ def load_profile(
     tier: override target.tier ('device', 'ram' or 'disk').
     Returns a Profile whose target.path and minions[i].path are absolute.
     """
-    path = _find_file(name_or_path)
+    path = find_profile_file(name_or_path)
     text = path.read_text()
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ProfileError(f"{path}: not valid TOML: {err}") from err
     data.setdefault("name", _profile_name(path))
-    data = _apply_overrides(data, target=target, minions=minions, tier=tier)
+    data = apply_overrides(data, target=target, minions=minions, tier=tier)
     try:
         profile = Profile.model_validate(data)
     except ValidationError as err:
@@ -120,7 +121,8 @@ def _profile_name(path: Path) -> str:
     return f"generated/{path.stem}" if path.parent == generated_dir() else path.stem
 
 
-def _apply_overrides(data: dict[str, Any], *, target, minions, tier) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], *, target, minions, tier) -> dict[str, Any]:
+    """A profile's raw TOML data with the command line's --target/--minion/--tier applied."""
     if target is not None:
         section = dict(data.get("target", {}))
         section["path"] = _from_command_line(str(target))

@@ -1,0 +1,323 @@
+"""A GGUF minion: a small model run by llama.cpp (through llama-cpp-python's C API).
+
+Why the low-level API: the high-level `Llama` object keeps one linear sequence, so a
+tree would cost one evaluation (plus a KV rollback) per branch. llama.cpp's KV cache
+instead tags every cell with a set of sequence ids and lets a token attend only to
+cells of its own sequence, which is exactly a tree mask:
+
+  * the committed prefix lives in sequence 0;
+  * each expanded tree node n gets its own sequence s(n). Before n runs,
+    `seq_cp(s(parent), s(n))` adds s(n) to every cell of the parent's path (prefix,
+    ancestors, parent), so n sees its path and nothing else;
+  * a whole frontier (`budget.width` nodes) then runs in ONE `llama_decode` batch.
+
+After verification the accepted path is kept without re-running it: `seq_keep` on
+the deepest accepted node's sequence drops every other branch, and that sequence is
+renamed 0. Any other context (rollback, a new chat turn) keeps the longest common
+prefix of sequence 0 and runs the rest. The KV cache must be *unified* (one buffer
+for all sequences), or llama.cpp would give each sequence its own slice and copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import itertools
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelLoadError, VocabularyMismatchError
+from .base import CandidateTree, GrowBudget
+
+_INSTALL_HINT = (
+    "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
+    "crashes on quantized models on AMX CPUs), or run scripts/build_llama_cpp_wheel.sh"
+)
+_KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
+_GGML_LOG_ERROR = 4
+_MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+_llama: Any = None
+_log_callback: Any = None  # must outlive every llama.cpp call that may log
+
+
+def import_llama_cpp() -> Any:
+    """llama_cpp, initialised once with its chatty logging reduced to errors."""
+    global _llama, _log_callback
+    if _llama is None:
+        try:
+            import llama_cpp
+        except ImportError as err:
+            raise ModelLoadError(f"GGUF minions need llama-cpp-python ({err}): {_INSTALL_HINT}.") from None
+
+        def log(level: int, text: bytes, _user: Any) -> None:
+            if level == _GGML_LOG_ERROR:
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _log_callback = llama_cpp.llama_log_callback(log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _llama = llama_cpp
+    return _llama
+
+
+class GGUFMinion:
+    """A minion backed by a .gguf file.
+
+    Keyword arguments:
+        name: shown in stats (default: the file name without .gguf).
+        n_ctx: KV cache size in tokens (prefix + one tree).
+        n_batch: most tokens per llama_decode call (longer prompts are chunked).
+        n_threads: CPU threads (default: half the cores). llama.cpp's workers spin while
+            they wait, so more threads than idle cores is far slower, not faster
+            (measured on 2 busy cores: 1 thread 6 ms per tree, 2 threads 140 ms).
+        kv_type: "f16" (default, llama.cpp's own) or "f32" (bit-for-bit checks).
+        n_gpu_layers: layers offloaded by a CUDA/Metal build of llama.cpp (0 = CPU).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
+                 n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
+                 n_gpu_layers: int = 0) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise ModelLoadError(f"GGUF minion {self.path} does not exist: check the path.")
+        if kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
+        self.name = name or self.path.name.removesuffix(".gguf")
+        self._lib = lib = import_llama_cpp()
+        self._model = self._ctx = self._batch = None  # so close() works after a failed load
+
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file?")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+
+        threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = _MAX_SEQUENCES
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
+        cparams.no_perf = True
+        if kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
+            cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not create a context for {self.path} (n_ctx={n_ctx}): "
+                                 "try a smaller n_ctx.")
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.n_batch = n_batch
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+        self._prefix: list[int] = []  # tokens held in sequence 0, at positions 0..len-1
+        self._tree: CandidateTree | None = None  # the last grown tree ...
+        self._node_seq: dict[int, int] = {}  # ... and the sequence of each node that ran
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str], **kwargs: Any) -> GGUFMinion:
+        return cls(path, **kwargs)
+
+    # --- the Minion protocol ------------------------------------------------------------
+
+    def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
+        tree = CandidateTree()
+        if budget.max_nodes <= 0 or budget.max_depth <= 0:
+            return tree
+        root_logits = self.prefill(context)
+        root_pos = len(context) - 1
+        order = itertools.count()  # ties: earlier candidates first
+        frontier: list[tuple[float, int, int, int, float, int]] = []
+        depth_of: list[int] = []
+
+        def offer(logits: np.ndarray, parent: int, parent_lp: float, depth: int) -> None:
+            if depth > budget.max_depth:
+                return
+            logprobs = _log_softmax(logits)
+            k = min(budget.top_k, len(logprobs))
+            top = np.argpartition(-logprobs, k - 1)[:k]
+            for token in top[np.argsort(-logprobs[top], kind="stable")]:
+                lp = parent_lp + float(logprobs[token])
+                heapq.heappush(frontier, (-lp, next(order), parent, int(token), lp, depth))
+
+        offer(root_logits, -1, 0.0, 1)
+        self._tree = tree
+        next_seq = 1
+        while frontier and len(tree) < budget.max_nodes:
+            batch: list[int] = []
+            while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
+                _, _, parent, token, lp, depth = heapq.heappop(frontier)
+                batch.append(tree.add(token, parent, lp))
+                depth_of.append(depth)
+            # Run only nodes that may still get children: the tree is not full, the node
+            # is above the depth limit, and a sequence id is free for it.
+            expand = [n for n in batch if depth_of[n] < budget.max_depth][:_MAX_SEQUENCES - next_seq]
+            if len(tree) >= budget.max_nodes or not expand:
+                continue
+            for node in expand:
+                parent = tree.parents[node]
+                self._node_seq[node] = next_seq
+                self._lib.llama_memory_seq_cp(self._mem, self._node_seq.get(parent, 0), next_seq, -1, -1)
+                next_seq += 1
+            logits = self._decode([tree.tokens[n] for n in expand], [root_pos + depth_of[n] for n in expand],
+                                  [self._node_seq[n] for n in expand], all_logits=True)
+            for row, node in enumerate(expand):
+                offer(logits[row], node, tree.logprobs[node], depth_of[node] + 1)
+        return tree
+
+    def commit(self, accepted: list[int]) -> None:
+        """Keep the accepted path's KV cells (they ran during grow) and drop the rest."""
+        self._keep_tree_path(self._prefix + list(accepted))
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._mem, True)
+        self._prefix = []
+        self._tree = None
+        self._node_seq = {}
+
+    # --- model access -------------------------------------------------------------------
+
+    def prefill(self, context: Sequence[int]) -> np.ndarray:
+        """Bring sequence 0 to `context` (reusing the longest cached prefix) and return
+        the logits after its last token, the tree root."""
+        if not context:
+            raise ValueError("a minion needs at least one context token (the tree root)")
+        if len(context) > self.n_ctx:
+            raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
+        self._keep_tree_path(context)
+        keep = min(_common_prefix(self._prefix, context), len(context) - 1)  # the root always runs
+        if keep < len(self._prefix):
+            self._lib.llama_memory_seq_rm(self._mem, 0, keep, -1)
+            del self._prefix[keep:]
+        pending = [int(t) for t in context[keep:]]
+        logits = None
+        for start in range(0, len(pending), self.n_batch):
+            chunk = pending[start:start + self.n_batch]
+            logits = self._decode(chunk, list(range(keep + start, keep + start + len(chunk))), [0] * len(chunk),
+                                  all_logits=False)
+        self._prefix.extend(pending)
+        return logits[-1]
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits after every token of `tokens`, computed from scratch ([len, vocab])."""
+        self.reset()
+        rows = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = [int(t) for t in tokens[start:start + self.n_batch]]
+            rows.append(self._decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
+                                     all_logits=True))
+        self.reset()
+        return np.concatenate(rows)
+
+    def token_texts(self) -> list[str]:
+        """Every token's text as stored in the GGUF (byte-level BPE strings, like HF's
+        `convert_ids_to_tokens`)."""
+        get = self._lib.llama_vocab_get_text
+        return [(get(self._vocab, i) or b"").decode("utf-8", "replace") for i in range(self.vocab_size)]
+
+    def check_vocabulary(self, target_vocab_size: int, target_tokens: Sequence[str] | None = None) -> None:
+        """Raise VocabularyMismatchError unless this minion's ids mean what the target's do.
+
+        target_tokens: the target tokenizer's id -> token string list, for a full check."""
+        problem = None
+        if self.vocab_size != target_vocab_size:
+            problem = f"it has {self.vocab_size} token ids, the target {target_vocab_size}"
+        elif target_tokens is not None:
+            mine = self.token_texts()
+            diff = [i for i, t in enumerate(target_tokens) if i < len(mine) and mine[i] != t]
+            if diff:
+                problem = f"{len(diff)} token ids map to different text (first: id {diff[0]})"
+        if problem:
+            raise VocabularyMismatchError(f"The GGUF minion {self.path} does not share the target's vocabulary: "
+                                          f"{problem}. Export it from a model with the target's tokenizer.")
+
+    def close(self) -> None:
+        lib = self._lib
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _keep_tree_path(self, context: Sequence[int]) -> None:
+        """Fold the longest path of the last tree that `context` follows into sequence 0
+        and drop every other tree cell."""
+        tree, lib = self._tree, self._lib
+        if tree is None:
+            return
+        node, i = -1, len(self._prefix)
+        if _common_prefix(self._prefix, context) == i:
+            children: dict[tuple[int, int], int] = {}
+            for n in self._node_seq:  # only nodes that ran have KV cells
+                children[(tree.parents[n], tree.tokens[n])] = n
+            while i < len(context) and (node, int(context[i])) in children:
+                node = children[(node, int(context[i]))]
+                i += 1
+        if node >= 0:
+            seq = self._node_seq[node]
+            lib.llama_memory_seq_keep(self._mem, seq)
+            lib.llama_memory_seq_cp(self._mem, seq, 0, -1, -1)
+            lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._prefix.extend(int(t) for t in context[len(self._prefix):i])
+        else:
+            lib.llama_memory_seq_keep(self._mem, 0)
+        self._tree = None
+        self._node_seq = {}
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], *, all_logits: bool) -> np.ndarray:
+        """One llama_decode; logits of every token (all_logits) or of the last one."""
+        lib, batch, n = self._lib, self._batch, len(tokens)
+        batch.n_tokens = n
+        for i, (token, pos, seq) in enumerate(zip(tokens, positions, seqs)):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = all_logits or i == n - 1
+        status = lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            # 1 = no KV slot; anything else is an internal error. Either way the cache
+            # may be half-written: start clean next time.
+            self.reset()
+            raise RuntimeError(f"llama_decode failed with status {status} for {self.path} "
+                               f"({n} tokens, n_ctx={self.n_ctx})")
+        rows = range(n) if all_logits else [n - 1]
+        out = np.empty((len(rows), self.vocab_size), dtype=np.float32)
+        for r, i in enumerate(rows):
+            ptr = lib.llama_get_logits_ith(self._ctx, i)
+            out[r] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+        return out
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - float(logits.max())
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

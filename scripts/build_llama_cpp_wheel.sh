@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Build (once) and install llama-cpp-python for the GGUF minion backend.
+#
+# Why a script and not `pip install llama-cpp-python`:
+#  * PyPI has no binary wheel, so pip compiles llama.cpp (~5 min on 2 cores).
+#  * The default build uses -march=native, which on AMX CPUs enables a code path that
+#    segfaults on q8_0/q4_0 models as soon as more than one token is evaluated at once
+#    (upstream llama.cpp issue 20824). GGML_NATIVE=OFF avoids it.
+#  * pip's own wheel cache ignores CMAKE_ARGS and would silently reuse a native wheel,
+#    so we build with --no-cache-dir into our own cache folder, keyed by version and
+#    build flags, and reinstall from there (~4 s) on later runs.
+#  * llama.cpp's CMakeLists forces its `llama-common` helper library on; the Python
+#    package never uses it and it is half the build time. A CMake project-include file
+#    switches it off (written below, nothing is downloaded).
+#
+# Usage: scripts/build_llama_cpp_wheel.sh [VERSION]
+# Env:   MINIONS_WHEEL_CACHE  cache folder (default ~/.cache/minions-local/wheels)
+#        PYTHON               interpreter to install into (default python)
+set -euo pipefail
+
+VERSION="${1:-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}}"
+PYTHON="${PYTHON:-python}"
+CACHE_ROOT="${MINIONS_WHEEL_CACHE:-$HOME/.cache/minions-local/wheels}"
+
+# The flags are part of the cache key: a wheel built with other flags is a different wheel.
+FLAGS_TAG="portable-nocommon"
+PY_TAG="$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+CACHE_DIR="$CACHE_ROOT/llama-cpp-python-$VERSION-$FLAGS_TAG-$PY_TAG"
+mkdir -p "$CACHE_DIR"
+
+shopt -s nullglob
+wheels=("$CACHE_DIR"/llama_cpp_python-"$VERSION"-*.whl)
+if (( ${#wheels[@]} == 0 )); then
+    include_file="$CACHE_DIR/no_llama_common.cmake"
+    cat > "$include_file" <<'EOF'
+# Loaded by CMake right after project(llama.cpp): skip the helper library the
+# Python bindings never link against.
+set(LLAMA_BUILD_COMMON OFF)
+EOF
+    echo "building llama-cpp-python $VERSION into $CACHE_DIR (takes a few minutes)" >&2
+    start=$(date +%s)
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$include_file ${EXTRA_CMAKE_ARGS:-}" \
+        "$PYTHON" -m pip wheel --no-cache-dir --no-deps "llama-cpp-python==$VERSION" -w "$CACHE_DIR"
+    echo "built in $(( $(date +%s) - start )) s" >&2
+    wheels=("$CACHE_DIR"/llama_cpp_python-"$VERSION"-*.whl)
+    if (( ${#wheels[@]} == 0 )); then
+        echo "error: pip wheel finished but no wheel is in $CACHE_DIR" >&2
+        exit 1
+    fi
+else
+    echo "reusing cached wheel ${wheels[0]}" >&2
+fi
+
+# Dependencies (numpy, diskcache, jinja2, typing-extensions) come from the index as usual.
+"$PYTHON" -m pip install "${wheels[0]}"
+"$PYTHON" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'

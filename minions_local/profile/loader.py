@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ProfileError
-from .schema import Minion, Profile
+from .schema import Profile
 
 MODELS_DIR_ENV = "MINIONS_MODELS_DIR"
 DEFAULT_MODELS_DIR = "~/models"
@@ -254,16 +254,10 @@ def _line_of(text: str, loc: list[str]) -> int | None:
     return text.count("\n", 0, m.start()) + 1 if m else None
 
 
-def minion_names(profile: Profile) -> list[str]:
-    return [m.name or m.kind for m in profile.minions]
-
-
 __all__ = [
-    "Minion",
     "Profile",
     "available_profiles",
     "load_profile",
-    "minion_names",
     "models_dir",
     "resolve_model_path",
 ]

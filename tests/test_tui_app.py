@@ -360,3 +360,33 @@ async def test_quit_while_loading_abandons_the_load(tmp_path):
         await pilot.pause()
     assert not app.is_running
     assert not hold.is_set()  # the loader stopped through its progress callback
+
+
+async def test_view_follows_the_reply_until_the_user_scrolls_up(tmp_path):
+    engine = FakeEngine(reply=REPLY * 4)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(100, 24)) as pilot:
+        await ready(pilot)
+        await send(pilot, "first")  # fills the view
+        log = app.chat_log
+        engine.gate_after = 4
+        app.prompt.text = "second"
+        await pilot.press("enter")
+        await until(pilot, engine.waiting.is_set)
+        await pilot.pause()
+        assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+        await pilot.press("pageup")
+        await pilot.pause()
+        held = log.scroll_y
+        assert held < log.max_scroll_y
+        engine.gate.set()
+        await until(pilot, lambda: not app.generating)
+        await pilot.pause()
+        assert log.scroll_y == held  # the user's position is kept while text streams in
+        for _ in range(40):
+            await pilot.press("pagedown")
+        await pilot.pause()
+        assert log.scroll_y == log.max_scroll_y
+        engine.gate_after = None
+        await send(pilot, "third")
+        assert log.scroll_y == log.max_scroll_y  # following again

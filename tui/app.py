@@ -80,6 +80,8 @@ class ChatApp(SlashCommands, App[None]):
         Binding("ctrl+c", "interrupt", "Stop / quit", priority=True, show=False),
         Binding("ctrl+t", "toggle_tree", "Tree"),
         Binding("f2", "toggle_stats", "Stats"),
+        Binding("pageup", "scroll_chat(-1)", show=False, priority=True),
+        Binding("pagedown", "scroll_chat(1)", show=False, priority=True),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -358,6 +360,8 @@ class ChatApp(SlashCommands, App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return self.generating
+        if action == "scroll_chat":
+            return len(self.screen_stack) == 1  # modal screens keep their own paging
         return True
 
     def action_stop(self) -> None:
@@ -385,6 +389,14 @@ class ChatApp(SlashCommands, App[None]):
 
     async def action_quit(self) -> None:
         self.action_quit_now()
+
+    def action_scroll_chat(self, direction: int) -> None:
+        """Page through the conversation without leaving the prompt; paging back to
+        the end makes the view follow new text again."""
+        if direction < 0:
+            self.chat_log.scroll_page_up(animate=False)
+        else:
+            self.chat_log.scroll_page_down(animate=False)
 
     def action_toggle_stats(self) -> None:
         panel = self.query_one(StatsPanel)

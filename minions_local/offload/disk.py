@@ -206,25 +206,39 @@ class PackReader:
 
     def read_into(self, buffer: torch.Tensor) -> None:
         """Fill buffer[:padded_nbytes] with the payload (buffer must be BLOCK-aligned)."""
-        n = self.pack.padded_nbytes
-        view = memoryview(buffer[:n].numpy())
+        self.read_part(buffer, 0, self.pack.padded_nbytes)
+        self.check(buffer)
+
+    def parts(self, n: int) -> list[tuple[int, int]]:
+        """The payload split into n block-aligned byte ranges, for parallel reads."""
+        total = self.pack.padded_nbytes
+        step = max(BLOCK, round_up(-(-total // max(1, n)), BLOCK))
+        return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+    def read_part(self, buffer: torch.Tensor, start: int, stop: int) -> None:
+        """Read payload bytes [start, stop) into the same range of buffer."""
+        view = memoryview(buffer[start:stop].numpy())
         try:
-            self._read(view, n)
+            self._read(view, start, stop - start)
         except OSError as e:
             if e.errno == errno.EINVAL and self.direct:
                 log.warning("O_DIRECT refused for %s; falling back to buffered reads + fadvise(DONTNEED)", self.pack.path)
                 os.close(self.fd)
                 self._reopen_buffered()
-                self._read(view, n)
+                self._read(view, start, stop - start)
             else:
                 raise ModelLoadError(f"reading layer pack {self.pack.path} failed: {e.strerror or e}") from e
-        if not self.verified:
-            if zlib.crc32(view[: self.pack.nbytes]) != self.pack.crc32:
-                raise _damaged(self.pack.path, "payload checksum mismatch")
-            self.verified = True
 
-    def _read(self, view: memoryview, n: int) -> None:
-        base = self.pack.payload_offset
+    def check(self, buffer: torch.Tensor) -> None:
+        """Verify the payload's checksum the first time this layer is read."""
+        if self.verified:
+            return
+        if zlib.crc32(memoryview(buffer[: self.pack.nbytes].numpy())) != self.pack.crc32:
+            raise _damaged(self.pack.path, "payload checksum mismatch")
+        self.verified = True
+
+    def _read(self, view: memoryview, start: int, n: int) -> None:
+        base = self.pack.payload_offset + start
         done = 0
         while done < n:
             got = os.preadv(self.fd, [view[done : min(n, done + READ_CHUNK)]], base + done)
@@ -240,24 +254,30 @@ class PackReader:
             self.fd = -1
 
 
-def read_file_direct(path: Path, buffer: torch.Tensor, chunk: int = READ_CHUNK) -> int:
-    """Read a whole file sequentially with O_DIRECT (page cache bypassed); returns bytes read.
+def read_file_direct(path: Path, buffers: list[torch.Tensor], pool=None) -> int:
+    """Read a whole file with O_DIRECT (page cache bypassed); returns the bytes read.
 
-    The raw-speed yardstick for the streaming benchmark: same syscall pattern as
-    `PackReader`, nothing overlapped.
+    The raw-speed yardstick for the streaming benchmark, nothing overlapped: with one
+    buffer a plain sequential read; with n buffers (and a thread pool) the file is
+    split into n contiguous ranges read concurrently, the pattern `LayerStore` uses.
     """
-    view = memoryview(buffer.numpy())
     fd = _open_direct(path)
     try:
-        size = os.fstat(fd).st_size
-        aligned = size // BLOCK * BLOCK
-        done = 0
-        while done < aligned:
-            n = min(chunk, aligned - done, len(view))
-            got = os.preadv(fd, [view[:n]], done)
-            if got <= 0:
-                break
-            done += got
-        return done
+        size = os.fstat(fd).st_size // BLOCK * BLOCK
+        step = round_up(-(-size // len(buffers)), BLOCK)
+
+        def read_range(buffer: torch.Tensor, start: int) -> int:
+            view = memoryview(buffer.numpy())
+            stop, done = min(size, start + step), 0
+            while start + done < stop:
+                got = os.preadv(fd, [view[: min(len(view), stop - start - done)]], start + done)
+                if got <= 0:
+                    break
+                done += got
+            return done
+
+        if pool is None or len(buffers) == 1:
+            return sum(read_range(b, i * step) for i, b in enumerate(buffers))
+        return sum(pool.map(read_range, buffers, [i * step for i in range(len(buffers))]))
     finally:
         os.close(fd)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -61,6 +61,24 @@ class StreamStats:
         self.passes = 0
 
 
+class _Fetch:
+    """One layer's fetch: several futures, then a check run once on the compute side."""
+
+    def __init__(self, futures: list[Future], finish: Callable[[], None] | None = None) -> None:
+        self.futures = futures
+        self.finish = finish
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> None:
+        for f in self.futures:
+            f.result()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
 class RamSource:
     """A packed layer held in host RAM (pinned when the compute device is CUDA)."""
 
@@ -93,6 +111,12 @@ class DiskSource:
     def read_into(self, buffer: torch.Tensor) -> None:
         self.reader.read_into(buffer)
 
+    def submit(self, pool: ThreadPoolExecutor, buffer: torch.Tensor, ways: int) -> _Fetch:
+        """Read the layer as `ways` concurrent range reads: while one reader thread waits
+        for the GIL after its read returns, the other's request keeps the disk busy."""
+        futures = [pool.submit(self.reader.read_part, buffer, a, b) for a, b in self.reader.parts(ways)]
+        return _Fetch(futures, lambda: self.reader.check(buffer))
+
     def close(self) -> None:
         self.reader.close()
 
@@ -103,7 +127,8 @@ LayerSource = RamSource | DiskSource
 class LayerStore:
     """K compute-side buffers fed by a prefetch pipeline over the streamed layers."""
 
-    def __init__(self, sources: Sequence[LayerSource], *, device: torch.device, buffers: int, stats: StreamStats) -> None:
+    def __init__(self, sources: Sequence[LayerSource], *, device: torch.device, buffers: int, stats: StreamStats,
+                 readers: int = 1) -> None:
         if buffers < 1:
             raise ValueError("buffers must be at least 1")
         self.sources = list(sources)
@@ -120,8 +145,9 @@ class LayerStore:
             self.released = [torch.cuda.Event() for _ in range(self.k)]
             if any(s.tier == "disk" for s in self.sources):
                 self._staging = [aligned_empty(size, pin=True) for _ in range(self.k)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-reader")
-        self._pending: dict[int, Future] = {}
+        self.readers = max(1, readers)
+        self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="layer-reader")
+        self._pending: dict[int, _Fetch] = {}
         self._next_submit = 0
         self._cursor = 0
 
@@ -180,16 +206,16 @@ class LayerStore:
                 self._pending[j] = self._submit(j)
             self._next_submit += 1
 
-    def _submit(self, j: int) -> Future:
+    def _submit(self, j: int) -> _Fetch:
         source, k = self.sources[j], j % self.k
         if not self.cuda:
-            return self._pool.submit(source.read_into, self.buffers[k])
+            if isinstance(source, DiskSource):
+                return source.submit(self._pool, self.buffers[k], self.readers)
+            return _Fetch([self._pool.submit(source.read_into, self.buffers[k])])
         if source.tier == "ram":  # enqueueing an async copy is cheap: no thread needed
-            fut: Future = Future()
             self._copy_to_device(source.data, k, source.layout.padded_nbytes)
-            fut.set_result(None)
-            return fut
-        return self._pool.submit(self._disk_to_device, source, k)
+            return _Fetch([])
+        return _Fetch([self._pool.submit(self._disk_to_device, source, k)])
 
     def _disk_to_device(self, source: DiskSource, k: int) -> None:
         self.ready[k].synchronize()  # the last copy out of this staging buffer is done

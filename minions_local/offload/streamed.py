@@ -54,6 +54,7 @@ def load_streamed_causal_lm(
     buffers: int = 2,
     cache_dir: str | os.PathLike | None = None,
     progress: Callable[[LoadProgress], None] | None = None,
+    readers: int = 2,
     attn_implementation: str | None = "sdpa",
 ) -> tuple[nn.Module, StreamStats]:
     """Load an HF causal LM whose decoder layers stream from RAM or disk.
@@ -73,6 +74,9 @@ def load_streamed_causal_lm(
         buffers: K compute-side layer buffers (K-1 layers in flight while one computes).
         cache_dir: folder for the disk tier's layer packs (default: the user cache).
         progress: called with `LoadProgress` while layers are packed and placed.
+        readers: reader threads of the disk tier; each layer is read as this many
+            concurrent range reads, which keeps the disk busy while a thread that
+            just finished waits for the GIL.
         attn_implementation: passed to transformers ('sdpa' like the resident loader;
             'eager' needs additive float masks).
 
@@ -125,7 +129,7 @@ def load_streamed_causal_lm(
     stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
     stats.read_mode = _read_mode(sources, stats)
     if sources:
-        store = LayerStore(sources, device=device, buffers=buffers, stats=stats)
+        store = LayerStore(sources, device=device, buffers=buffers, stats=stats, readers=readers)
         for j, i in enumerate(streamed):
             _StreamedLayer(layers[i], j, store, scratch, dtype, device)
         model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())

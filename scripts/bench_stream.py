@@ -1,0 +1,246 @@
+"""How fast does the target stream, and what does a pass cost by tree size?
+
+    python scripts/bench_stream.py [--quick] [--model PATH] [--dtype bfloat16] [--quant int4]
+
+In one run:
+1. raw: sequential O_DIRECT read of the disk tier's pack files (page cache bypassed,
+   nothing overlapped) -- the yardstick;
+2. achieved: bytes streamed / wall time over back-to-back full target passes from the
+   disk tier (tree size 1, compute overlapped with the reads);
+   stream_efficiency = achieved / raw, from interleaved rounds (raw, stream, raw, ...)
+   so that a shared, noisy disk affects both alike (median of per-round ratios);
+3. pass time for tree sizes 1, 2, 4, ..., 256: resident vs RAM tier vs disk tier,
+   interleaved per size.
+
+Prints a human table, then ONE JSON line. The default model is the demo target
+(minions_local/demo_models/target) when present, otherwise a random Llama built here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from minions_local.offload import load_streamed_causal_lm  # noqa: E402
+from minions_local.offload.disk import read_file_direct  # noqa: E402
+from minions_local.offload.layout import aligned_empty  # noqa: E402
+from minions_local.offload.streamed import resolve_dtype  # noqa: E402
+
+DEMO_TARGET = REPO / "minions_local" / "demo_models" / "target"
+PREFIX = 64
+
+
+def random_llama(folder: Path, quick: bool) -> Path:
+    """A random Llama (~70M params; ~20M with --quick) saved as safetensors."""
+    config = LlamaConfig(vocab_size=8000, hidden_size=768 if not quick else 512,
+                         intermediate_size=2048 if not quick else 1408, num_hidden_layers=8 if not quick else 6,
+                         num_attention_heads=12 if not quick else 8, num_key_value_heads=4,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def tree(size: int, rng: random.Random) -> list[int]:
+    """Parents of a random bushy tree: node 0 is the root, others hang below earlier nodes."""
+    return [-1] + [rng.randrange(max(0, i - 6), i) for i in range(1, size)]
+
+
+def tree_inputs(parents: list[int], prefix: int, vocab: int, dtype, device, rng: random.Random):
+    t = len(parents)
+    mask = torch.full((1, 1, t, prefix + t), torch.finfo(dtype).min, dtype=dtype)
+    mask[..., :prefix] = 0
+    depth = []
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        j = i
+        while j >= 0:
+            mask[0, 0, i, prefix + j] = 0
+            j = parents[j]
+    ids = torch.tensor([[rng.randrange(vocab) for _ in parents]])
+    pos = torch.tensor([[prefix + d for d in depth]])
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+class Runner:
+    """One model with a fixed prefix in its cache; `pass_(size)` times one tree pass."""
+
+    def __init__(self, name: str, model, stats, device: str) -> None:
+        self.name, self.model, self.stats, self.device = name, model, stats, device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab = model.config.vocab_size
+        self.rng = random.Random(0)
+        self.cache = DynamicCache()
+        with torch.inference_mode():
+            ids = torch.randint(0, self.vocab, (1, PREFIX), generator=torch.Generator().manual_seed(0))
+            model(input_ids=ids.to(device), past_key_values=self.cache, use_cache=True)
+
+    @torch.inference_mode()
+    def pass_(self, size: int) -> float:
+        ids, mask, pos = tree_inputs(tree(size, self.rng), PREFIX, self.vocab, self.dtype, self.device, self.rng)
+        t0 = time.perf_counter()
+        self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.cache.crop(-size)  # back to the fixed prefix (transformers 5: negative = drop)
+        return dt
+
+
+def raw_read_gbps(files: list[Path], buffers: list[torch.Tensor], pool) -> float:
+    """O_DIRECT read of all files, one after the other; each split across len(buffers) threads."""
+    t0 = time.perf_counter()
+    n = sum(read_file_direct(f, buffers, pool) for f in files)
+    return n / (time.perf_counter() - t0) / 1e9
+
+
+def streamed_gbps(runner: Runner, passes: int) -> tuple[float, float]:
+    """(GB/s achieved, seconds waiting per pass) over back-to-back tree-size-1 passes."""
+    b0, w0 = runner.stats.bytes_streamed, runner.stats.seconds_waiting
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        runner.pass_(1)
+    dt = time.perf_counter() - t0
+    return (runner.stats.bytes_streamed - b0) / dt / 1e9, (runner.stats.seconds_waiting - w0) / passes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and repeats (~1 min)")
+    ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: the demo target)")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
+    ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--buffers", type=int, default=2)
+    ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
+    ap.add_argument("--readers", type=int, default=2, help="disk-tier reader threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 when the machine is already busy, else torch's default)")
+    args = ap.parse_args()
+    busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
+    # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md).
+    torch.set_num_threads(args.threads or (1 if busy else torch.get_num_threads()))
+    rounds, passes, repeats = (3, 8, 3) if args.quick else (7, 20, 5)
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    try:
+        model_path = args.model or (DEMO_TARGET if (DEMO_TARGET / "config.json").exists() else None)
+        source = str(model_path) if model_path else "random llama (built here)"
+        if model_path is None:
+            model_path = random_llama(work / "model", args.quick)
+        dtype = resolve_dtype(args.dtype, model_path)
+        cache_dir = args.cache_dir or work / "packs"
+        common = dict(dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir, readers=args.readers)
+
+        if args.quant == "none":
+            resident = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").eval()
+            runners = [Runner("resident", resident, None, "cpu")]
+        else:  # the same quantized weights, resident: the device tier
+            resident, _ = load_streamed_causal_lm(model_path, tier="device", **common)
+            runners = [Runner("resident", resident, None, "cpu")]
+        ram_model, ram_stats = load_streamed_causal_lm(model_path, tier="ram", **common)
+        disk_model, disk_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
+        runners += [Runner("ram", ram_model, ram_stats, "cpu"), Runner("disk", disk_model, disk_stats, "cpu")]
+        disk = runners[2]
+        params = sum(p.numel() for p in resident.parameters())
+        packs = sorted(Path(cache_dir).rglob("layer_*.pack"))
+        pool = ThreadPoolExecutor(max_workers=max(1, args.readers))
+        one = [aligned_empty(16 << 20)]
+        many = [aligned_empty(16 << 20) for _ in range(max(1, args.readers))]
+
+        def raw() -> tuple[float, float]:
+            return raw_read_gbps(packs, one, None), raw_read_gbps(packs, many, pool)
+
+        # 1 + 2: raw vs achieved, interleaved
+        for r in runners:
+            r.pass_(1)  # warm up kernels; also the disk pipeline's first read + checksum
+        raw_seq, raw_par, yardstick, achieved, ratios, waits = [], [], [], [], [], []
+        for _ in range(rounds):
+            a_seq, a_par = raw()
+            s, w = streamed_gbps(disk, passes)
+            b_seq, b_par = raw()
+            raw_seq += [a_seq, b_seq]
+            raw_par += [a_par, b_par]
+            # The yardstick is the better read pattern, measured just before and after.
+            best = max((a_seq + b_seq) / 2, (a_par + b_par) / 2)
+            yardstick.append(best)
+            achieved.append(s)
+            waits.append(w)
+            ratios.append(s / best)
+
+        # 3: pass time by tree size, methods interleaved
+        times: dict[str, dict[int, float]] = {r.name: {} for r in runners}
+        for size in sizes:
+            samples: dict[str, list[float]] = {r.name: [] for r in runners}
+            for r in runners:
+                r.pass_(size)  # warm this shape
+            for _ in range(repeats):
+                for r in runners:
+                    samples[r.name].append(r.pass_(size))
+            for name, xs in samples.items():
+                times[name][size] = statistics.median(xs)
+
+        result = {
+            "bench": "stream",
+            "model": source,
+            "params": params,
+            "dtype": str(dtype).removeprefix("torch."),
+            "quant": args.quant,
+            "buffers": args.buffers,
+            "torch_threads": torch.get_num_threads(),
+            "bytes_per_pass": disk_stats.bytes_per_pass,
+            "read_mode": disk_stats.read_mode,
+            "readers": args.readers,
+            "raw_read_gbps": round(statistics.median(yardstick), 3),
+            "raw_read_gbps_range": [round(min(yardstick), 3), round(max(yardstick), 3)],
+            "raw_sequential_gbps": round(statistics.median(raw_seq), 3),
+            "raw_parallel_gbps": round(statistics.median(raw_par), 3),
+            "achieved_gbps": round(statistics.median(achieved), 3),
+            "achieved_gbps_range": [round(min(achieved), 3), round(max(achieved), 3)],
+            "stream_efficiency": round(statistics.median(ratios), 3),
+            "stream_efficiency_rounds": [round(x, 3) for x in ratios],
+            "wait_ms_per_pass": round(1e3 * statistics.median(waits), 2),
+            "pass_ms": {name: {str(k): round(v * 1e3, 2) for k, v in t.items()} for name, t in times.items()},
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "warnings": disk_stats.warnings + ram_stats.warnings,
+        }
+        print_table(result, sizes)
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def print_table(res: dict, sizes: list[int]) -> None:
+    print(f"model: {res['model']}  ({res['params'] / 1e6:.1f}M params, {res['dtype']}, quant={res['quant']}, "
+          f"{res['bytes_per_pass'] / 1e6:.1f} MB streamed per pass, read mode {res['read_mode']})")
+    print(f"raw O_DIRECT read   {res['raw_read_gbps']:6.3f} GB/s  (range {res['raw_read_gbps_range']}; "
+          f"1 thread {res['raw_sequential_gbps']}, {res['readers']} threads {res['raw_parallel_gbps']})")
+    print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  (range {res['achieved_gbps_range']})")
+    print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per round {res['stream_efficiency_rounds']})")
+    print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass; load average {res['loadavg_1m']} "
+          f"on {os.cpu_count()} cores (shared machines make every number noisy)")
+    print()
+    names = list(res["pass_ms"])
+    print(f"{'tree size':>9} " + " ".join(f"{n + ' ms':>12}" for n in names) + f" {'disk/resident':>14}")
+    for s in sizes:
+        row = [res["pass_ms"][n][str(s)] for n in names]
+        print(f"{s:>9} " + " ".join(f"{x:>12.2f}" for x in row) + f" {row[-1] / row[0]:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -390,3 +390,20 @@ async def test_view_follows_the_reply_until_the_user_scrolls_up(tmp_path):
         engine.gate_after = None
         await send(pilot, "third")
         assert log.scroll_y == log.max_scroll_y  # following again
+
+
+async def test_raw_mode_shows_replies_verbatim(tmp_path):
+    code = "class A:\n    def __init__(self):\n        # not a heading\n        pass\n"
+    engine = FakeEngine(reply=code)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/raw python")
+        await send(pilot, "a class")
+        reply = app.query(AssistantMessage).last()
+        assert reply.text == code
+        assert reply.body.source.startswith("``````python\n" + code)
+        assert app.conversation.messages[-1]["content"] == code  # saved without the fence
+        await send(pilot, "/raw off")
+        await send(pilot, "again")
+        assert app.query(AssistantMessage).last().body.source == code

@@ -67,6 +67,8 @@ class ChatOptions:
     temperature: float | None = None
     max_new_tokens: int | None = None
     system: str | None = None
+    raw: str | None = None
+    """Show replies verbatim (highlighted as this language when not ""); None = Markdown."""
     resume: str | None = None
     """None: a new conversation; "": the latest saved one; else an id, number or title."""
     cursor_blink: bool = True
@@ -268,7 +270,7 @@ class ChatApp(SlashCommands, App[None]):
 
     async def _send(self, text: str) -> None:
         self.conversation.messages.append({"role": "user", "content": text})
-        self._reply = AssistantMessage(label=self.profile)
+        self._reply = AssistantMessage(label=self.profile, raw=self.options.raw)
         self._question = UserMessage(text)
         await self._say(self._question)
         await self._say(self._reply)

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max", type=_positive, dest="max_new_tokens", metavar="N",
                      help="most new tokens per reply (default: 256)")
     gen.add_argument("--system", metavar="TEXT", help="system prompt for the conversation")
+    gen.add_argument("--raw", nargs="?", const="", metavar="LANG",
+                     help="show replies verbatim instead of as Markdown (highlighted as LANG if given)")
     chat = p.add_argument_group("conversation")
     chat.add_argument("--resume", nargs="?", const="", metavar="ID|N|TITLE",
                       help="continue the latest saved conversation (or the one named)")
@@ -135,6 +137,7 @@ def main(
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         system=args.system,
+        raw=args.raw,
         resume=args.resume,
     )
     ChatApp(options, engine_factory=engine_factory, store=store).run()

@@ -46,6 +46,16 @@ class SlashCommands:
     async def _cmd_tree(self: ChatApp, command: Command) -> None:
         self.action_toggle_tree()
 
+    async def _cmd_raw(self: ChatApp, command: Command) -> None:
+        arg = command.arg.strip()
+        if arg.lower() in ("off", "markdown", "md"):
+            self.options.raw = None
+            self.notify("Replies render as Markdown.")
+        else:
+            self.options.raw = arg
+            shown = f"highlighted as {arg}" if arg else "as plain text"
+            self.notify(f"Replies show verbatim, {shown}, from the next one (/raw off: Markdown).")
+
     async def _cmd_temp(self: ChatApp, command: Command) -> None:
         self.conversation.temperature = float(command.value or 0.0)
         self._update_subtitle()
@@ -147,7 +157,9 @@ class SlashCommands:
             if message["role"] == "user":
                 widgets.append(UserMessage(message["content"]))
             elif message["role"] == "assistant":
-                widgets.append(AssistantMessage(message["content"], label=conversation.profile or "target"))
+                widgets.append(
+                    AssistantMessage(message["content"], label=conversation.profile or "target", raw=self.options.raw)
+                )
         if widgets:
             await log.mount_all(widgets, before=0 if keep else None)
         if self.engine is not None and hasattr(self.engine, "reset"):

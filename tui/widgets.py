@@ -100,17 +100,27 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
-class AssistantMessage(Vertical):
-    """A reply: Markdown streamed in fragments, then a footer with its numbers."""
+FENCE = "``````"
+"""Raw replies stream inside a code fence long enough not to occur in model text."""
 
-    def __init__(self, text: str = "", *, label: str = "target") -> None:
+
+class AssistantMessage(Vertical):
+    """A reply: Markdown streamed in fragments, then a footer with its numbers.
+
+    `raw` (not None) shows the text verbatim inside a code block, highlighted as that
+    language when it names one: base models write code and prose that Markdown would
+    reflow (indentation, `#` comments, `__dunder__` names).
+    """
+
+    def __init__(self, text: str = "", *, label: str = "target", raw: str | None = None) -> None:
         super().__init__(classes="message assistant")
-        self._initial = text
         self.border_title = label
-        self.body = Markdown(text)
+        self.raw = raw
+        self.text = text
+        shown = f"{FENCE}{raw}\n{text}\n{FENCE}" if raw is not None and text else text
+        self.body = Markdown(shown)
         self.footer = Label("", classes="reply-footer")
         self._stream: MarkdownStream | None = None
-        self.text = text
 
     def compose(self) -> ComposeResult:
         yield self.body
@@ -120,11 +130,15 @@ class AssistantMessage(Vertical):
         """Append a fragment; `Markdown.get_stream` coalesces fast writes."""
         if self._stream is None:
             self._stream = Markdown.get_stream(self.body)
+            if self.raw is not None:
+                await self._stream.write(f"{FENCE}{self.raw}\n")
         self.text += fragment
         await self._stream.write(fragment)
 
     async def finish(self, footer: str) -> None:
         if self._stream is not None:
+            if self.raw is not None:
+                await self._stream.write(f"\n{FENCE}\n")
             await self._stream.stop()
             self._stream = None
         if not self.text.strip():

@@ -189,3 +189,17 @@ def test_drive_turns_errors_into_messages(tmp_path, monkeypatch):
 def test_overrides_only_when_given():
     assert overrides_from(None, None) == {}
     assert overrides_from("/t", ["/a"]) == {"target": "/t", "minions": ["/a"]}
+
+
+def test_high_rate_messages_replace_only_their_own_kind():
+    from minions_local.events import LoadProgress
+    from minions_local.tui.messages import LoadProgressed, ReplyDelta, StatsUpdated
+
+    tree = TreeSnapshot([0], [-1], ["x"], [[]], [1.0], [0])
+    older, newer = StatsUpdated(GenerationStats(), tree), StatsUpdated(GenerationStats(), None)
+    assert not older.can_replace(newer)  # keep the last tree
+    assert newer.can_replace(older) and older.can_replace(StatsUpdated(GenerationStats(), tree))
+    assert not older.can_replace(ReplyDelta("text"))
+    ram = LoadProgressed(LoadProgress("target", "ram", 1, 4))
+    assert ram.can_replace(LoadProgressed(LoadProgress("target", "ram", 2, 4)))
+    assert not ram.can_replace(LoadProgressed(LoadProgress("target", "disk", 2, 4)))

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Group
 from rich.text import Text
-from textual import on, work
+from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -289,7 +289,9 @@ class ChatApp(SlashCommands, App[None]):
         self.refresh_bindings()
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, engine: Any, messages: list[dict[str, str]], max_new_tokens: int, temperature: float) -> None:
+    def _generate(
+        self, engine: Any, messages: list[dict[str, str]], max_new_tokens: int, temperature: float
+    ) -> None:
         worker = get_current_worker()
         outcome = drive(
             deferred(
@@ -386,6 +388,8 @@ class ChatApp(SlashCommands, App[None]):
             self.notify("Press Ctrl+C again (or Ctrl+Q) to quit.", timeout=QUIT_WINDOW)
 
     def action_quit_now(self) -> None:
+        if self.generating:
+            request_stop(self.engine)  # the worker thread must end before the process can
         self.workers.cancel_all()
         self.exit()
 

@@ -22,6 +22,7 @@ class LoadProgressed(Message):
     progress: LoadProgress
 
     def can_replace(self, message: Message) -> bool:
+        # Dropped in favour of the next queued update of the same model and tier.
         return (
             isinstance(message, LoadProgressed)
             and message.progress.model == self.progress.model
@@ -63,10 +64,9 @@ class StatsUpdated(Message):
     tree: TreeSnapshot | None
 
     def can_replace(self, message: Message) -> bool:
-        # Only the newest numbers matter, but a tree is kept if the newer pass has none.
-        return isinstance(message, StatsUpdated) and (
-            self.tree is not None or message.tree is None
-        )
+        # Textual drops this (older) message when the next one queued `can_replace`s it:
+        # only the newest numbers matter, but keep a tree if the newer pass has none.
+        return isinstance(message, StatsUpdated) and (message.tree is not None or self.tree is None)
 
 
 @dataclass

@@ -82,8 +82,9 @@ def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_pa
                      minion_vocab: int) -> None:
     """A minion must speak the target's vocabulary, or its drafts mean nothing."""
     if target_tok is not None and minion_tok is not None:
-        t_size, m_size = len(target_tok), len(minion_tok)
-        same = t_size == m_size and target_tok.get_vocab() == minion_tok.get_vocab()
+        t_vocab, m_vocab = _base_vocab(target_tok), _base_vocab(minion_tok)
+        t_size, m_size = len(t_vocab), len(m_vocab)
+        same = t_vocab == m_vocab
     else:
         t_size = len(target_tok) if target_tok is not None else target_vocab
         m_size = minion_vocab
@@ -93,6 +94,14 @@ def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_pa
             f"The minion {minion_path} does not share the target's vocabulary: target {target_path} has "
             f"{t_size} tokens, minion has {m_size}{' (a different token mapping)' if t_size == m_size else ''}. "
             f"Use minions trained on the target's tokenizer (same model family).")
+
+
+def _base_vocab(tokenizer) -> dict[str, int]:
+    """Token -> id of the trained vocabulary. Tokenizer classes add their own special
+    tokens on load (a Qwen2 class adds one to the same tokenizer.json), which says
+    nothing about whether the ids mean the same text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.get_vocab()
 
 
 def unique_names(minions: list[Minion]) -> None:

@@ -81,18 +81,24 @@ def tiny_tokenizer(vocab: int = 96) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # No full byte alphabet: the vocabulary must fit the tiny models (encode only text
+    # made of the training characters).
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False)
     text = ["def add(a, b):\n    return a + b\n", "hello world, hello minions\n"] * 20
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    assert len(fast) <= vocab
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     return fast
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+EOS = 2  # tiny_tokenizer's </s>
+
+
+def hf_greedy(model, prompt: list[int], n: int, eos: int | None = EOS) -> list[int]:
+    """transformers' own greedy decoding: the reference every speculative run must equal."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=eos)
     return out[0, len(prompt):].tolist()

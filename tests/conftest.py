@@ -1,0 +1,25 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from tiny_models import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory, tokenizer):
+    """Per architecture: a tiny target, two minions close to it, one unrelated."""
+    from tiny_models import make_family
+
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_family(root, arch, tokenizer=tokenizer) for arch in ("llama", "qwen2", "mistral")}

@@ -194,9 +194,8 @@ class LoadingPanel(Vertical):
             self._bars[key] = (bar, size)
         bar, size = self._bars[key]
         bar.update(total=max(progress.total_bytes, 1), progress=progress.done_bytes)
-        size.update(f"{format_bytes(progress.done_bytes)} / {format_bytes(progress.total_bytes)}")
-        if progress.message:
-            self.query_one(".loading-message", Label).update(progress.message)
+        note = f"  {progress.message}" if progress.message else ""
+        size.update(f"{format_bytes(progress.done_bytes)} / {format_bytes(progress.total_bytes)}{note}")
 
 
 class StatsPanel(Vertical):

@@ -211,7 +211,7 @@ class FakeFactory:
         if self.hold is not None:
             partial = LoadProgress("target", "disk", 400_000_000, 1_000_000_000, "placing layer 9 of 24 on disk")
             progress(partial)
-            while not self.hold.wait(0.02):
+            while not self.hold.wait(0.05):
                 progress(partial)
         if self.fail is not None:
             raise self.fail

@@ -363,7 +363,7 @@ async def test_quit_while_loading_abandons_the_load(tmp_path):
 
 
 async def test_view_follows_the_reply_until_the_user_scrolls_up(tmp_path):
-    engine = FakeEngine(reply=REPLY * 4)
+    engine = FakeEngine(reply="\n\n".join(f"Paragraph {i} of a long answer." for i in range(24)))
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(100, 24)) as pilot:
         await ready(pilot)
@@ -383,9 +383,9 @@ async def test_view_follows_the_reply_until_the_user_scrolls_up(tmp_path):
         await until(pilot, lambda: not app.generating)
         await pilot.pause()
         assert log.scroll_y == held  # the user's position is kept while text streams in
-        for _ in range(40):
+        while log.scroll_y < log.max_scroll_y:
             await pilot.press("pagedown")
-        await pilot.pause()
+            await pilot.pause()
         assert log.scroll_y == log.max_scroll_y
         engine.gate_after = None
         await send(pilot, "third")

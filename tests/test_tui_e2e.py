@@ -18,6 +18,11 @@ PROFILE = "cpu-demo"
 
 def demo_ready() -> str | None:
     """Why the end-to-end test cannot run here, or None."""
+    import minions_local
+
+    shipped = Path(minions_local.__file__).parent / "demo_models" / "target" / "config.json"
+    if not shipped.exists():  # checked first: it costs nothing, importing torch does
+        return f"demo family not built ({shipped.parent} is missing)"
     try:
         import minions_local.engine  # noqa: F401
         from minions_local.profile_engine import engine_kwargs_from_profile

@@ -203,3 +203,15 @@ def test_high_rate_messages_replace_only_their_own_kind():
     ram = LoadProgressed(LoadProgress("target", "ram", 1, 4))
     assert ram.can_replace(LoadProgressed(LoadProgress("target", "ram", 2, 4)))
     assert not ram.can_replace(LoadProgressed(LoadProgress("target", "disk", 2, 4)))
+
+
+def test_the_tui_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, minions_local.tui.cli, minions_local.tui.app, minions_local.tui.plain; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -188,7 +188,11 @@ async def test_help_stats_tree_and_bad_commands(tmp_path):
         await ready(pilot)
         await send(pilot, "/help")
         assert "/temp 0.7" in app.query(MarkdownNote).last()._markdown
+        await send(pilot, "/copy")
+        assert any("No reply to copy" in n for n in notes(app))
         await send(pilot, "hi")
+        await send(pilot, "/copy")
+        assert app.clipboard == REPLY
         await send(pilot, "/stats")
         stats_note = app.query(Note).last()
         assert stats_note.border_title == "stats"

@@ -86,6 +86,13 @@ def test_repl_chats_with_commands_and_saves(tmp_path):
     assert saved is not None and len(saved.messages) == 4
 
 
+def test_repl_takes_triple_quoted_blocks(tmp_path):
+    session = '"""first line\n\n  indented\nlast"""\n"""one line"""\n'
+    _, _, _, factory = run(["--plain"], session, tty=True, store=ConversationStore(tmp_path))
+    sent = [c["messages"][-1]["content"] for c in factory.engine.calls]
+    assert sent == ["first line\n\n  indented\nlast", "one line"]
+
+
 def test_repl_ends_at_eof(tmp_path):
     code, out, _, _ = run(["--plain"], "hi\n", tty=True, store=ConversationStore(tmp_path))
     assert code == 0 and REPLY in out

@@ -16,6 +16,7 @@ HELP = """\
 | `/max 512` | most new tokens per reply |
 | `/system [text\\|off]` | show, set or clear the system prompt |
 | `/stats` | totals of this session and the memory plan |
+| `/copy` | copy the last reply to the clipboard |
 | `/raw [lang\\|off]` | replies as plain text (highlighted as *lang*), off = Markdown |
 | `/tree` | show or hide the last verified token tree |
 | `/quit` | leave |
@@ -24,7 +25,7 @@ HELP = """\
 ↑/↓ browse history · PgUp/PgDn scroll · Esc or Ctrl+C stops a reply · Ctrl+T tree · F2 stats · Ctrl+C twice or Ctrl+Q quits
 """
 
-NAMES = ("help", "new", "save", "load", "profile", "temp", "max", "system", "stats", "tree", "raw", "quit")
+NAMES = ("help", "new", "save", "load", "profile", "temp", "max", "system", "stats", "tree", "raw", "copy", "quit")
 ALIASES = {"h": "help", "?": "help", "exit": "quit", "q": "quit", "clear": "new", "temperature": "temp"}
 
 

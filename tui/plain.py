@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -23,7 +24,7 @@ from .stats import format_bytes
 from .store import Conversation, ConversationStore
 
 PLAIN_HELP = (
-    "Type a message and press Enter; end a line with \\ to continue it.\n"
+    "Type a message and press Enter; end a line with \\ to continue it, or wrap lines in \"\"\".\n"
     "/new  /temp 0.7  /max 512  /system TEXT|off  /save [title]  /help  /quit\n"
     "Ctrl+C stops a reply, Ctrl+C twice or Ctrl+D quits."
 )
@@ -153,14 +154,25 @@ def _read_line(io: PlainIO, prompt: str) -> str:
 
 
 def _read_message(io: PlainIO) -> str | None:
-    """One message; a trailing backslash continues it on the next line. None at EOF."""
+    """One message; a trailing backslash continues it on the next line, and a block
+    between two triple quotes is one message (as in Ollama's REPL). None at EOF."""
     lines: list[str] = []
     prompt = ">>> "
+    quoted = False
     while True:
         try:
             line = _read_line(io, prompt)
         except EOFError:
             return None if not lines else "\n".join(lines)
+        if not lines and line.startswith('"""'):
+            quoted, line = True, line[3:]
+        if quoted:
+            if line.endswith('"""'):
+                lines.append(line[:-3])
+                return "\n".join(lines).strip("\n")
+            lines.append(line)
+            prompt = "... "
+            continue
         if line.endswith("\\"):
             lines.append(line[:-1])
             prompt = "... "
@@ -174,11 +186,16 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
         import readline  # noqa: F401  (gives input() history and line editing)
     except ImportError:
         pass
+    last_interrupt = -10.0
     while True:
         try:
             text = _read_message(io)
         except KeyboardInterrupt:
-            io.err("\n(Ctrl+D or /quit leaves)")
+            if time.monotonic() - last_interrupt < 2.0:
+                io.err("")
+                return 130
+            last_interrupt = time.monotonic()
+            io.err("\n(Ctrl+C again, Ctrl+D or /quit leaves)")
             continue
         if text is None:
             io.err("")

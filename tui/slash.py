@@ -46,6 +46,14 @@ class SlashCommands:
     async def _cmd_tree(self: ChatApp, command: Command) -> None:
         self.action_toggle_tree()
 
+    async def _cmd_copy(self: ChatApp, command: Command) -> None:
+        replies = [m["content"] for m in self.conversation.messages if m["role"] == "assistant"]
+        if not replies:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(replies[-1])
+        self.notify(f"Copied the last reply ({len(replies[-1])} characters).")
+
     async def _cmd_raw(self: ChatApp, command: Command) -> None:
         arg = command.arg.strip()
         if arg.lower() in ("off", "markdown", "md"):

@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minions_local.offload import load_streamed_causal_lm  # noqa: E402
-from minions_local.offload.disk import read_file_direct  # noqa: E402
+from minions_local.offload.disk import read_files_direct  # noqa: E402
 from minions_local.offload.layout import aligned_empty  # noqa: E402
 from minions_local.offload.streamed import resolve_dtype  # noqa: E402
 
@@ -103,10 +102,10 @@ class Runner:
         return dt
 
 
-def raw_read_gbps(files: list[Path], buffers: list[torch.Tensor], pool) -> float:
-    """O_DIRECT read of all files, one after the other; each split across len(buffers) threads."""
+def raw_read_gbps(files: list[Path], buffers: list[torch.Tensor]) -> float:
+    """O_DIRECT read of all files in order, by len(buffers) threads (see read_files_direct)."""
     t0 = time.perf_counter()
-    n = sum(read_file_direct(f, buffers, pool) for f in files)
+    n = read_files_direct(files, buffers)
     return n / (time.perf_counter() - t0) / 1e9
 
 
@@ -120,18 +119,38 @@ def streamed_gbps(runner: Runner, passes: int) -> tuple[float, float]:
     return (runner.stats.bytes_streamed - b0) / dt / 1e9, (runner.stats.seconds_waiting - w0) / passes
 
 
+def h2d_check(ram: Runner, passes: int, rounds: int) -> dict:
+    """CUDA: the RAM tier's achieved pinned-host -> GPU speed vs a plain pinned memcpy's."""
+    layer = ram.stats.bytes_per_pass // max(1, ram.stats.layers_streamed // max(1, ram.stats.passes))
+    host = aligned_empty(layer, pin=True)
+    devbuf = torch.empty(layer, dtype=torch.uint8, device=ram.device)
+    peaks, achieved = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            devbuf.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        peaks.append(layer * passes / (time.perf_counter() - t0) / 1e9)
+        achieved.append(streamed_gbps(ram, passes)[0])
+    peak, got = statistics.median(peaks), statistics.median(achieved)
+    return {"h2d_peak_gbps": round(peak, 2), "h2d_achieved_gbps": round(got, 2), "h2d_efficiency": round(got / peak, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and repeats (~1 min)")
     ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: the demo target)")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
     ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"])
-    ap.add_argument("--buffers", type=int, default=2)
+    ap.add_argument("--buffers", type=int, default=4, help="layer buffers (read-ahead depth); 4 suits the CPU disk tier")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
-    ap.add_argument("--readers", type=int, default=2, help="disk-tier reader threads")
+    ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda (adds the pinned-RAM -> GPU check)")
+    ap.add_argument("--readers", type=int, default=None, help="disk-tier reader threads (default: max(2, buffers))")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 when the machine is already busy, else torch's default)")
     args = ap.parse_args()
+    args.readers = args.readers or max(2, args.buffers)
     busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
     # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md).
     torch.set_num_threads(args.threads or (1 if busy else torch.get_num_threads()))
@@ -145,26 +164,26 @@ def main() -> None:
             model_path = random_llama(work / "model", args.quick)
         dtype = resolve_dtype(args.dtype, model_path)
         cache_dir = args.cache_dir or work / "packs"
-        common = dict(dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir, readers=args.readers)
+        dev = args.device
+        common = dict(device=dev, dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir, readers=args.readers)
 
         if args.quant == "none":
-            resident = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").eval()
-            runners = [Runner("resident", resident, None, "cpu")]
+            resident = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+            resident = resident.to(dev).eval()
         else:  # the same quantized weights, resident: the device tier
             resident, _ = load_streamed_causal_lm(model_path, tier="device", **common)
-            runners = [Runner("resident", resident, None, "cpu")]
         ram_model, ram_stats = load_streamed_causal_lm(model_path, tier="ram", **common)
         disk_model, disk_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
-        runners += [Runner("ram", ram_model, ram_stats, "cpu"), Runner("disk", disk_model, disk_stats, "cpu")]
+        runners = [Runner("resident", resident, None, dev), Runner("ram", ram_model, ram_stats, dev),
+                   Runner("disk", disk_model, disk_stats, dev)]
         disk = runners[2]
         params = sum(p.numel() for p in resident.parameters())
         packs = sorted(Path(cache_dir).rglob("layer_*.pack"))
-        pool = ThreadPoolExecutor(max_workers=max(1, args.readers))
         one = [aligned_empty(16 << 20)]
         many = [aligned_empty(16 << 20) for _ in range(max(1, args.readers))]
 
         def raw() -> tuple[float, float]:
-            return raw_read_gbps(packs, one, None), raw_read_gbps(packs, many, pool)
+            return raw_read_gbps(packs, one), raw_read_gbps(packs, many)
 
         # 1 + 2: raw vs achieved, interleaved
         for r in runners:
@@ -182,6 +201,8 @@ def main() -> None:
             achieved.append(s)
             waits.append(w)
             ratios.append(s / best)
+
+        h2d = h2d_check(runners[1], passes, rounds) if dev.startswith("cuda") else {}
 
         # 3: pass time by tree size, methods interleaved
         times: dict[str, dict[int, float]] = {r.name: {} for r in runners}
@@ -216,6 +237,8 @@ def main() -> None:
             "stream_efficiency_rounds": [round(x, 3) for x in ratios],
             "wait_ms_per_pass": round(1e3 * statistics.median(waits), 2),
             "pass_ms": {name: {str(k): round(v * 1e3, 2) for k, v in t.items()} for name, t in times.items()},
+            **h2d,
+            "device": dev if not dev.startswith("cuda") else torch.cuda.get_device_name(),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "warnings": disk_stats.warnings + ram_stats.warnings,
         }
@@ -232,6 +255,9 @@ def print_table(res: dict, sizes: list[int]) -> None:
           f"1 thread {res['raw_sequential_gbps']}, {res['readers']} threads {res['raw_parallel_gbps']})")
     print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  (range {res['achieved_gbps_range']})")
     print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per round {res['stream_efficiency_rounds']})")
+    if "h2d_peak_gbps" in res:
+        print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
+              f"GB/s, efficiency {res['h2d_efficiency']}")
     print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass; load average {res['loadavg_1m']} "
           f"on {os.cpu_count()} cores (shared machines make every number noisy)")
     print()

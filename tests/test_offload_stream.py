@@ -41,7 +41,7 @@ def test_streamed_logits_equal_resident(models, reference, tmp_path, arch, tier)
     assert not stats.warnings
 
 
-@pytest.mark.parametrize("buffers", [1, 3])
+@pytest.mark.parametrize("buffers", [1, 2, 4])  # 3 streamed layers: 2 wraps mid-pass
 def test_mixed_layer_tiers(models, reference, tmp_path, buffers):
     tiers = ["disk", "device", "ram", "disk"]
     model, stats = load_streamed_causal_lm(models["llama"], tier="ram", layer_tiers=tiers, buffers=buffers,
@@ -54,6 +54,16 @@ def test_mixed_layer_tiers(models, reference, tmp_path, buffers):
     tree_pass_logits(model, steps=1)
     assert stats.bytes_streamed == 2 * stats.bytes_per_pass
     assert stats.passes == 2
+
+
+def test_progress_reports_every_layer(models, tmp_path):
+    events = []
+    load_streamed_causal_lm(models["llama"], layer_tiers=["disk", "ram", "device", "disk"], cache_dir=tmp_path,
+                            progress=events.append)
+    assert {e.tier for e in events} == {"disk", "ram", "device"}
+    assert any("packing layer 3" in e.message for e in events)
+    assert events[-1].done_bytes == events[-1].total_bytes > 0
+    assert all(e.model == "target" for e in events)
 
 
 def test_all_device_tier_is_plain_resident(models, reference, tmp_path):

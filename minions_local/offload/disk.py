@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,30 +255,44 @@ class PackReader:
             self.fd = -1
 
 
-def read_file_direct(path: Path, buffers: list[torch.Tensor], pool=None) -> int:
-    """Read a whole file with O_DIRECT (page cache bypassed); returns the bytes read.
+def read_files_direct(paths: list[Path], buffers: list[torch.Tensor]) -> int:
+    """Read whole files with O_DIRECT (page cache bypassed), nothing else running; returns bytes.
 
-    The raw-speed yardstick for the streaming benchmark, nothing overlapped: with one
-    buffer a plain sequential read; with n buffers (and a thread pool) the file is
-    split into n contiguous ranges read concurrently, the pattern `LayerStore` uses.
+    The raw-speed yardstick of the streaming benchmark. Each file is split into
+    len(buffers) block-aligned ranges, the way `LayerStore` splits a layer, and
+    len(buffers) threads take the ranges in file order from one queue (no barrier
+    between files), each into its own buffer. One buffer = a plain sequential read.
     """
-    fd = _open_direct(path)
+    fds = [_open_direct(p) for p in paths]
     try:
-        size = os.fstat(fd).st_size // BLOCK * BLOCK
-        step = round_up(-(-size // len(buffers)), BLOCK)
+        ranges = []
+        for fd in fds:
+            size = os.fstat(fd).st_size // BLOCK * BLOCK
+            step = round_up(-(-size // len(buffers)), BLOCK)
+            for start in range(0, size, step):
+                stop = min(size, start + step)
+                for a in range(start, stop, READ_CHUNK):  # bounded by the buffer size
+                    ranges.append((fd, a, min(stop, a + READ_CHUNK)))
+        queue = iter(ranges)
+        lock = threading.Lock()
+        total = [0] * len(buffers)
 
-        def read_range(buffer: torch.Tensor, start: int) -> int:
-            view = memoryview(buffer.numpy())
-            stop, done = min(size, start + step), 0
-            while start + done < stop:
-                got = os.preadv(fd, [view[: min(len(view), stop - start - done)]], start + done)
-                if got <= 0:
-                    break
-                done += got
-            return done
+        def worker(i: int) -> None:
+            view = memoryview(buffers[i].numpy())
+            while True:
+                with lock:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                fd, a, b = item
+                total[i] += os.preadv(fd, [view[: b - a]], a)
 
-        if pool is None or len(buffers) == 1:
-            return sum(read_range(b, i * step) for i, b in enumerate(buffers))
-        return sum(pool.map(read_range, buffers, [i * step for i in range(len(buffers))]))
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(buffers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(total)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)

@@ -1,10 +1,10 @@
 """Where streamed layers live, and the prefetch pipeline that brings them to compute.
 
-`LayerStore` owns K compute-side buffers. Streamed layer j (in execution order) always
-lands in buffer j % K. Before layer j runs, `acquire(j)` waits for its fetch and starts
-the fetch of layer j+K-1 into the buffer that layer j-1 just released; so while one
-layer computes, the next K-1 are in flight. After the last layer of a pass the first K
-layers of the next pass are fetched, overlapping the lm_head, sampling and the
+`LayerStore` owns K compute-side buffers. Before streamed layer j runs, `acquire(j)`
+waits for its fetch; when it has run, `release(j)` starts the fetch K layers ahead into
+the buffer it gave back; so while one layer computes, the next K-1 are in flight. The
+sequence wraps around: while the last layers of a pass compute, the first layers of
+the next pass are already being read, overlapping the lm_head, sampling and the
 minions' work.
 
 Fetching, by tier and device:
@@ -148,66 +148,62 @@ class LayerStore:
         self.readers = max(1, readers)
         self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="layer-reader")
         self._pending: dict[int, _Fetch] = {}
-        self._next_submit = 0
-        self._cursor = 0
+        self._seq = 0
+        """Number of the next fetch to be consumed."""
+        self._fetched = 0
+        """Number of the next fetch to be submitted."""
 
     def __len__(self) -> int:
         return len(self.sources)
 
-    def buffer_for(self, j: int) -> torch.Tensor:
-        return self.buffers[j % self.k]
-
     # -- the pipeline -------------------------------------------------------------
+    # Fetches are numbered m = 0, 1, 2, ... across passes: fetch m brings layer m % n
+    # into buffer m % K. Numbering across passes lets the readers run on into the next
+    # pass while the last layers, the lm_head and the caller's own work run.
 
     def begin_pass(self) -> None:
         """Called before the first layer of a forward pass."""
-        if self._cursor != 0:  # the previous pass stopped midway (an exception)
+        if self._seq % len(self.sources) != 0:  # the previous pass stopped midway
             self._drain()
-        self._submit_until(self.k)
         self.stats.passes += 1
 
-    def acquire(self, j: int) -> torch.Tensor:
-        """Buffer holding streamed layer j, ready for the compute stream."""
-        if j != self._cursor:
+    def acquire(self, j: int) -> int:
+        """Wait until streamed layer j is in a buffer; returns the buffer's index.
+
+        On CUDA the wait is queued on the current stream, not done on the host."""
+        if self._seq % len(self.sources) != j:  # out of the expected order: start over at j
             self._drain()
-            self._cursor = self._next_submit = j
-        self._submit_until(j + 1)
-        if j not in self._pending:  # its earlier fetch failed and was consumed
-            self._pending[j] = self._submit(j)
-        fut = self._pending.pop(j)
-        if not fut.done():
+            self._seq = self._fetched = j
+        m = self._seq
+        self._submit_until(m + self.k)
+        fetch = self._pending.pop(m, None) or self._submit(m)  # None: an earlier failure was consumed
+        if not fetch.done():
             t0 = time.perf_counter()
-            fut.result()
+            fetch.result()
             self.stats.seconds_waiting += time.perf_counter() - t0
         else:
-            fut.result()
+            fetch.result()
+        k = m % self.k
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[j % self.k])
+            torch.cuda.current_stream(self.device).wait_event(self.ready[k])
         self.stats.bytes_streamed += self.sources[j].layout.nbytes
         self.stats.layers_streamed += 1
-        return self.buffer_for(j)
+        return k
 
     def release(self, j: int) -> None:
-        """Layer j finished computing: its buffer may be refilled."""
+        """Layer j finished computing (on CUDA: is queued): its buffer may be refilled."""
         if self.cuda:
-            self.released[j % self.k].record(torch.cuda.current_stream(self.device))
-        self._cursor = j + 1
-        if self._cursor == len(self.sources):
-            self._cursor = self._next_submit = 0
-            self._submit_until(self.k)  # the next pass's first layers
-        else:
-            self._submit_until(j + self.k + 1)  # into the buffer layer j just gave back
+            self.released[self._seq % self.k].record(torch.cuda.current_stream(self.device))
+        self._seq += 1
+        self._submit_until(self._seq + self.k)
 
     def _submit_until(self, stop: int) -> None:
-        stop = min(stop, len(self.sources))
-        while self._next_submit < stop:
-            j = self._next_submit
-            if j not in self._pending:
-                self._pending[j] = self._submit(j)
-            self._next_submit += 1
+        while self._fetched < stop:
+            self._pending[self._fetched] = self._submit(self._fetched)
+            self._fetched += 1
 
-    def _submit(self, j: int) -> _Fetch:
-        source, k = self.sources[j], j % self.k
+    def _submit(self, m: int) -> _Fetch:
+        source, k = self.sources[m % len(self.sources)], m % self.k
         if not self.cuda:
             if isinstance(source, DiskSource):
                 return source.submit(self._pool, self.buffers[k], self.readers)
@@ -236,7 +232,7 @@ class LayerStore:
             except Exception:  # noqa: BLE001 - a failed prefetch is re-raised when re-fetched
                 pass
         self._pending.clear()
-        self._cursor = self._next_submit = 0
+        self._seq = self._fetched = 0
 
     def close(self) -> None:
         self._drain()

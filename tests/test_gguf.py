@@ -251,6 +251,26 @@ def test_cache_reuse_equals_fresh_run(checkpoints, bpe_tokenizer):
 
 
 @needs_llama_cpp
+def test_window_and_sequence_limits(checkpoints, bpe_tokenizer):
+    """Near the end of its KV window the minion grows what fits, past it abstains; a
+    tree larger than llama.cpp's 256 sequences stops running nodes but stays valid."""
+    from minions_local.backends.gguf import GGUFMinion
+
+    out = checkpoints["qwen2"][2]
+    ids = _ids(bpe_tokenizer, SAMPLE) * 10
+    small = GGUFMinion(out, n_ctx=256)  # llama.cpp's smallest window
+    assert small.n_ctx == 256
+    budget = GrowBudget(max_nodes=40, max_depth=6, width=8, top_k=4)
+    assert_valid_tree(small.grow(ids[:250], budget), budget, VOCAB)  # room to run 6 nodes only
+    assert len(small.grow(ids[:260], budget)) == 0
+    assert_valid_tree(small.grow(ids[:10], budget), budget, VOCAB)  # and recovers after a rollback
+    big = GrowBudget(max_nodes=400, max_depth=12, width=64, top_k=8)
+    tree = GGUFMinion(out, n_ctx=1024).grow(ids[:10], big)
+    assert_valid_tree(tree, big, VOCAB)
+    assert len(tree) == 400
+
+
+@needs_llama_cpp
 def test_vocabulary_check(checkpoints, bpe_tokenizer, tmp_path):
     from minions_local.backends.gguf import GGUFMinion
 

@@ -101,8 +101,12 @@ class GGUFMinion:
 
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         cparams = lib.llama_context_default_params()
+        n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = n_batch
+        # llama.cpp reserves at least one output row per sequence and aborts the process
+        # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
+        cparams.n_outputs_max = max(n_batch, _MAX_SEQUENCES)
         cparams.n_seq_max = _MAX_SEQUENCES
         cparams.kv_unified = True
         cparams.n_threads = cparams.n_threads_batch = threads
@@ -131,9 +135,11 @@ class GGUFMinion:
 
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         tree = CandidateTree()
-        if budget.max_nodes <= 0 or budget.max_depth <= 0:
-            return tree
+        if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
+            return tree  # past this minion's window it abstains; the target decides alone
         root_logits = self.prefill(context)
+        # Each node that runs takes one KV cell, and at most 255 tree sequences exist.
+        runs_left = min(self.n_ctx - len(context), _MAX_SEQUENCES - 1)
         root_pos = len(context) - 1
         order = itertools.count()  # ties: earlier candidates first
         frontier: list[tuple[float, int, int, int, float, int]] = []
@@ -160,7 +166,8 @@ class GGUFMinion:
                 depth_of.append(depth)
             # Run only nodes that may still get children: the tree is not full, the node
             # is above the depth limit, and a sequence id is free for it.
-            expand = [n for n in batch if depth_of[n] < budget.max_depth][:_MAX_SEQUENCES - next_seq]
+            expand = [n for n in batch if depth_of[n] < budget.max_depth]
+            expand = expand[:min(runs_left - (next_seq - 1), self.n_batch)]
             if len(tree) >= budget.max_nodes or not expand:
                 continue
             for node in expand:
@@ -191,7 +198,7 @@ class GGUFMinion:
         the logits after its last token, the tree root."""
         if not context:
             raise ValueError("a minion needs at least one context token (the tree root)")
-        if len(context) > self.n_ctx:
+        if len(context) > self.n_ctx:  # grow() abstains before this happens
             raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
         self._keep_tree_path(context)
         keep = min(_common_prefix(self._prefix, context), len(context) - 1)  # the root always runs

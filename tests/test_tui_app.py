@@ -294,6 +294,7 @@ async def test_save_then_resume_reuses_conversation(tmp_path):
     async with app2.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
         assert app2.conversation.title == "my chat"
+        assert app2.prompt.sent_history == ["first question"]  # Up recalls earlier questions
         assert [type(w) for w in app2.query("UserMessage, AssistantMessage")] == [UserMessage, AssistantMessage]
         await send(pilot, "second question")
         assert [m["content"] for m in engine2.calls[-1]["messages"]] == ["first question", REPLY, "second question"]

@@ -343,7 +343,11 @@ class ChatApp(SlashCommands, App[None]):
     def _footer(self, message: ReplyFinished, stats: GenerationStats) -> str:
         generation = message.generation
         tokens = len(generation.token_ids) if generation else stats.new_tokens
-        parts = [f"{tokens} tokens", f"{stats.tokens_per_pass:.2f} tok/pass", f"{stats.tokens_per_second:.1f} tok/s"]
+        parts = [
+            f"{tokens} tokens",
+            f"{stats.tokens_per_pass:.2f} tok/pass",
+            f"{stats.tokens_per_second:.1f} tok/s",
+        ]
         if generation is not None and generation.prompt_tokens:
             parts.append(f"prompt {generation.prompt_tokens} tok in {generation.prefill_seconds:.2f}s")
         if message.reason == "cancelled":

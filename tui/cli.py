@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model")
     model.add_argument("--profile", "-p", default=DEFAULT_PROFILE, metavar="NAME|PATH",
-                       help=f"hardware + model profile: a shipped name or a .toml path (default: {DEFAULT_PROFILE})")
+                       help=f"hardware + model profile: a shipped name or a .toml path "
+                            f"(default: {DEFAULT_PROFILE})")
     model.add_argument("--target", metavar="PATH", help="use this target checkpoint instead of the profile's")
     model.add_argument("--minion", metavar="PATH", action="append", dest="minions",
                        help="use this minion instead of the profile's (repeat for several)")

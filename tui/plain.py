@@ -227,7 +227,10 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
             io.out("\n")
         s = outcome.stats
         note = "stopped · " if outcome.reason == "cancelled" else ""
-        io.err(f"[{note}{s.new_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass · {s.tokens_per_second:.1f} tok/s]")
+        io.err(
+            f"[{note}{s.new_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass · "
+            f"{s.tokens_per_second:.1f} tok/s]"
+        )
         if outcome.error:
             io.err(f"minions-chat: {outcome.error}")
         try:

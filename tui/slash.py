@@ -102,7 +102,8 @@ class SlashCommands:
                 max_new_tokens=old.max_new_tokens,
             )
         )
-        self.notify("New conversation." + (" The last one is saved: /load brings it back." if old.messages else ""))
+        saved = " The last one is saved: /load brings it back." if old.messages else ""
+        self.notify("New conversation." + saved)
 
     async def _cmd_load(self: ChatApp, command: Command) -> None:
         if command.arg:
@@ -165,11 +166,13 @@ class SlashCommands:
             if message["role"] == "user":
                 widgets.append(UserMessage(message["content"]))
             elif message["role"] == "assistant":
-                widgets.append(
-                    AssistantMessage(message["content"], label=conversation.profile or "target", raw=self.options.raw)
-                )
+                label = conversation.profile or "target"
+                widgets.append(AssistantMessage(message["content"], label=label, raw=self.options.raw))
         if widgets:
             await log.mount_all(widgets, before=0 if keep else None)
+        history = self.prompt.sent_history
+        asked = [m["content"] for m in conversation.messages if m["role"] == "user"]
+        history.extend(q for q in asked if q not in history)
         if self.engine is not None and hasattr(self.engine, "reset"):
             self.engine.reset()
         self.session_stats = GenerationStats()

@@ -412,3 +412,19 @@ async def test_raw_mode_shows_replies_verbatim(tmp_path):
         await send(pilot, "/raw off")
         await send(pilot, "again")
         assert app.query(AssistantMessage).last().body.source == code
+
+
+async def test_visible_tree_is_redrawn_throttled_and_ends_on_the_last_pass(tmp_path):
+    app = make_app(tmp_path, FakeEngine(reply=REPLY * 3))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        panel = app.query_one(TreePanel)
+        draws = []
+        original = panel.refresh_tree
+        panel.refresh_tree = lambda: (draws.append(panel.pass_number), original())[1]
+        await send(pilot, "hi")
+        passes = app.query_one(StatsPanel).stats.passes
+        await until(pilot, lambda: panel._pending is None)
+        assert draws[-1] == passes
+        assert f"Pass {passes} " in text_of(panel.query_one("#tree-body"))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import RenderableType
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, ProgressBar, Sparkline, Static, TextArea
+from textual.timer import Timer
 from textual.widgets.markdown import MarkdownStream
 
 from ..events import LoadProgress, TreeSnapshot
@@ -232,7 +235,13 @@ class StatsPanel(Vertical):
 
 
 class TreePanel(VerticalScroll):
-    """The last verified token tree (toggled with Ctrl+T)."""
+    """The last verified token tree (toggled with Ctrl+T).
+
+    Redrawn at most every `MIN_INTERVAL` seconds: a fast engine verifies dozens of
+    trees a second and nobody reads them that fast; the last one is always drawn.
+    """
+
+    MIN_INTERVAL = 0.2
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -240,6 +249,8 @@ class TreePanel(VerticalScroll):
         self.minion_colors: dict[str, str] = {}
         self.snapshot: TreeSnapshot | None = None
         self.pass_number = 0
+        self._drawn_at = -1.0
+        self._pending: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="tree-body")
@@ -249,10 +260,19 @@ class TreePanel(VerticalScroll):
 
     def show(self, tree: TreeSnapshot | None, pass_number: int) -> None:
         self.snapshot, self.pass_number = tree, pass_number
-        if self.display:
+        if not self.display or self._pending is not None:
+            return
+        wait = self._drawn_at + self.MIN_INTERVAL - time.monotonic()
+        if wait <= 0:
             self.refresh_tree()
+        else:
+            self._pending = self.set_timer(wait, self.refresh_tree)
 
     def refresh_tree(self) -> None:
+        if self._pending is not None:
+            self._pending.stop()
+            self._pending = None
+        self._drawn_at = time.monotonic()
         self.query_one("#tree-body", Static).update(
             render_tree(self.snapshot, self.minion_colors, pass_number=self.pass_number)
         )

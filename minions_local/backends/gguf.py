@@ -145,17 +145,17 @@ class GGUFMinion:
         frontier: list[tuple[float, int, int, int, float, int]] = []
         depth_of: list[int] = []
 
-        def offer(logits: np.ndarray, parent: int, parent_lp: float, depth: int) -> None:
-            if depth > budget.max_depth:
-                return
-            logprobs = _log_softmax(logits)
-            k = min(budget.top_k, len(logprobs))
-            top = np.argpartition(-logprobs, k - 1)[:k]
-            for token in top[np.argsort(-logprobs[top], kind="stable")]:
-                lp = parent_lp + float(logprobs[token])
-                heapq.heappush(frontier, (-lp, next(order), parent, int(token), lp, depth))
+        def offer(logits: np.ndarray, parents: list[int], depth: list[int]) -> None:
+            tokens, logprobs = _top_children(logits, budget.top_k)
+            for row, parent in enumerate(parents):
+                if depth[row] > budget.max_depth:
+                    continue
+                parent_lp = tree.logprobs[parent] if parent >= 0 else 0.0
+                for token, lp in zip(tokens[row].tolist(), logprobs[row].tolist()):
+                    score = parent_lp + lp
+                    heapq.heappush(frontier, (-score, next(order), parent, token, score, depth[row]))
 
-        offer(root_logits, -1, 0.0, 1)
+        offer(root_logits[None, :], [-1], [1])
         self._tree = tree
         next_seq = 1
         while frontier and len(tree) < budget.max_nodes:
@@ -177,8 +177,7 @@ class GGUFMinion:
                 next_seq += 1
             logits = self._decode([tree.tokens[n] for n in expand], [root_pos + depth_of[n] for n in expand],
                                   [self._node_seq[n] for n in expand], all_logits=True)
-            for row, node in enumerate(expand):
-                offer(logits[row], node, tree.logprobs[node], depth_of[node] + 1)
+            offer(logits, expand, [depth_of[n] + 1 for n in expand])
         return tree
 
     def commit(self, accepted: list[int]) -> None:
@@ -317,9 +316,17 @@ class GGUFMinion:
         return out
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - float(logits.max())
-    return shifted - np.log(np.exp(shifted).sum())
+def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of [rows, vocab] logits: the k best tokens (best first, ties by id) and
+    their log-probabilities. One vectorised pass for a whole frontier."""
+    k = min(k, logits.shape[1])
+    top = np.argpartition(logits, logits.shape[1] - k, axis=1)[:, -k:]
+    values = np.take_along_axis(logits, top, axis=1)
+    order = np.lexsort((top, -values), axis=1)
+    top, values = np.take_along_axis(top, order, axis=1), np.take_along_axis(values, order, axis=1)
+    peak = logits.max(axis=1, keepdims=True)
+    log_norm = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True, dtype=np.float64))
+    return top, values - log_norm
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

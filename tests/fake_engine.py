@@ -84,7 +84,10 @@ class FakeEngine:
         return PLAN
 
     def memory_by_tier(self) -> dict[str, int]:
-        return dict(MEMORY)
+        """The device tier grows 1 MB per generation, like a KV cache."""
+        memory = dict(MEMORY)
+        memory["device"] += 1_000_000 * len(self.calls)
+        return memory
 
     def reset(self) -> None:
         self.resets += 1

@@ -60,7 +60,9 @@ async def test_typing_and_sending_streams_the_reply(tmp_path):
         assert engine.calls[0]["messages"] == [{"role": "user", "content": "hello there"}]
         assert engine.calls[0]["temperature"] == 0.0
         assert app.conversation.messages[-1] == {"role": "assistant", "content": REPLY}
-        stats = app.query_one(StatsPanel).stats
+        panel = app.query_one(StatsPanel)
+        stats = panel.stats
+        assert panel.memory["device"] == 306_000_000  # re-read after the reply
         assert stats.new_tokens == len(pieces(REPLY))
         assert stats.passes > 1 and stats.accepted > 0
 

@@ -301,8 +301,12 @@ class ChatApp(SlashCommands, App[None]):
             on_step=lambda stats, tree: self.post_message(StatsUpdated(stats, tree)),
             cancelled=lambda: worker.is_cancelled,
         )
+        try:
+            memory: dict[str, int] | None = dict(engine.memory_by_tier())
+        except Exception:  # the numbers are a nicety; never fail a reply over them
+            memory = None
         self.post_message(
-            ReplyFinished(outcome.text, outcome.reason, outcome.generation, outcome.stats, outcome.error)
+            ReplyFinished(outcome.text, outcome.reason, outcome.generation, outcome.stats, outcome.error, memory)
         )
 
     async def on_reply_delta(self, message: ReplyDelta) -> None:
@@ -319,7 +323,10 @@ class ChatApp(SlashCommands, App[None]):
         self._set_generating(False)
         stats = message.stats or GenerationStats()
         self.session_stats.merge(stats)
-        self.query_one(StatsPanel).show(stats, title="Last reply")
+        panel = self.query_one(StatsPanel)
+        if message.memory is not None:
+            panel.memory = message.memory
+        panel.show(stats, title="Last reply")
         text = message.text
         if text.strip():
             self.conversation.messages.append({"role": "assistant", "content": text})

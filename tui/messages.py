@@ -79,6 +79,8 @@ class ReplyFinished(Message):
     generation: Generation | None = None
     stats: GenerationStats | None = None
     error: str | None = None
+    memory: dict[str, int] | None = None
+    """Bytes per tier after this reply (KV caches grow), read on the worker thread."""
 
 
 @dataclass

@@ -6,7 +6,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-torch.set_num_threads(2)
+# Tiny models gain nothing from a second thread, and OpenMP spinning under any
+# other load on the 2 cores makes each small matmul ~10x slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, devic
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa"
         )
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # safetensors/torch raise their own types; all mean "unusable files"
         raise ModelLoadError(f"Could not load the {role} model from {path}: {e}\nThe weights may be damaged or "
                              f"incomplete: restore the folder (re-download, re-export, or for the shipped demo "
                              f"models reinstall minions-local or run scripts/train_demo_family.py).") from None

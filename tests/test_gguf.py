@@ -268,6 +268,9 @@ def test_window_and_sequence_limits(checkpoints, bpe_tokenizer):
     tree = GGUFMinion(out, n_ctx=1024).grow(ids[:10], big)
     assert_valid_tree(tree, big, VOCAB)
     assert len(tree) == 400
+    few = GGUFMinion(out, tree_runs=3).grow(ids[:10], budget)  # 3 runs: a shallow, bushy tree
+    assert_valid_tree(few, budget, VOCAB)
+    assert few.depth() <= 2
 
 
 @needs_llama_cpp

@@ -77,11 +77,14 @@ class GGUFMinion:
             (measured on 2 busy cores: 1 thread 6 ms per tree, 2 threads 140 ms).
         kv_type: "f16" (default, llama.cpp's own) or "f32" (bit-for-bit checks).
         n_gpu_layers: layers offloaded by a CUDA/Metal build of llama.cpp (0 = CPU).
+        tree_runs: most tree nodes run per grow (<= 255, one llama.cpp sequence each).
+            llama.cpp keeps a vocabulary-sized logits row per sequence: 255 rows of a
+            150k vocabulary are 150 MB, so lower it for large vocabularies.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
                  n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
-                 n_gpu_layers: int = 0) -> None:
+                 n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise ModelLoadError(f"GGUF minion {self.path} does not exist: check the path.")
@@ -106,8 +109,9 @@ class GGUFMinion:
         cparams.n_batch = cparams.n_ubatch = n_batch
         # llama.cpp reserves at least one output row per sequence and aborts the process
         # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
-        cparams.n_outputs_max = max(n_batch, _MAX_SEQUENCES)
-        cparams.n_seq_max = _MAX_SEQUENCES
+        self.tree_runs = max(1, min(tree_runs, _MAX_SEQUENCES - 1))
+        cparams.n_seq_max = self.tree_runs + 1  # + sequence 0, the committed prefix
+        cparams.n_outputs_max = max(n_batch, cparams.n_seq_max)
         cparams.kv_unified = True
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
@@ -138,8 +142,8 @@ class GGUFMinion:
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
             return tree  # past this minion's window it abstains; the target decides alone
         root_logits = self.prefill(context)
-        # Each node that runs takes one KV cell, and at most 255 tree sequences exist.
-        runs_left = min(self.n_ctx - len(context), _MAX_SEQUENCES - 1)
+        # Each node that runs takes one KV cell and one sequence id.
+        runs_left = min(self.n_ctx - len(context), self.tree_runs)
         root_pos = len(context) - 1
         order = itertools.count()  # ties: earlier candidates first
         frontier: list[tuple[float, int, int, int, float, int]] = []

@@ -76,3 +76,24 @@ def test_load_error_screen(snap_compare, tmp_path):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=failed)
+
+
+def test_conversation_picker(snap_compare, tmp_path):
+    import json
+
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    for i, (title, when) in enumerate([("Reverse the words of a sentence", "2026-11-20T09:15:00+00:00"),
+                                       ("Why is my disk tier slow?", "2026-11-21T14:02:00+00:00")]):
+        data = {"version": 1, "id": f"c{i}", "title": title, "profile": "cpu-demo", "system": "",
+                "temperature": 0.0, "max_new_tokens": 256, "created": when, "updated": when,
+                "messages": [{"role": "user", "content": title}, {"role": "assistant", "content": "…"}]}
+        (folder / f"c{i}.json").write_text(json.dumps(data))
+    app = make_app(tmp_path, FakeEngine())
+
+    async def picker(pilot):
+        await ready(pilot)
+        await send(pilot, "/load")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=picker)

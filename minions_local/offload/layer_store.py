@@ -164,7 +164,7 @@ class LayerStore:
     def begin_pass(self) -> None:
         """Called before the first layer of a forward pass."""
         if self._seq % len(self.sources) != 0:  # the previous pass stopped midway
-            self._drain()
+            self.drain()
         self.stats.passes += 1
 
     def acquire(self, j: int) -> int:
@@ -172,7 +172,7 @@ class LayerStore:
 
         On CUDA the wait is queued on the current stream, not done on the host."""
         if self._seq % len(self.sources) != j:  # out of the expected order: start over at j
-            self._drain()
+            self.drain()
             self._seq = self._fetched = j
         m = self._seq
         self._submit_until(m + self.k)
@@ -225,7 +225,8 @@ class LayerStore:
             self.buffers[k][:n].copy_(host[:n], non_blocking=True)
             self.ready[k].record(self.copy_stream)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Wait for the fetches in flight, then forget them: the pipeline starts empty."""
         for fut in self._pending.values():
             try:
                 fut.result()
@@ -235,7 +236,7 @@ class LayerStore:
         self._seq = self._fetched = 0
 
     def close(self) -> None:
-        self._drain()
+        self.drain()
         self._pool.shutdown(wait=True)
         for s in self.sources:
             s.close()

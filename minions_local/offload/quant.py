@@ -58,18 +58,24 @@ def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str,
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
-    """Write the weight that `quantize_weight` stands for into `out` ([out, in], compute dtype)."""
-    dtype = out.dtype
+    """Write the weight that `quantize_weight` stands for into `out` ([out, in], compute dtype).
+
+    Works in place in `out` (no temporaries the size of the weight): the integers are
+    converted while being stored, then shifted and scaled. Every step is exact except
+    the one rounding of the final multiply, in the compute dtype.
+    """
     if mode == "int8":
-        torch.mul(q.to(dtype), scale.to(dtype)[:, None], out=out)
+        out.copy_(q)
+        out.mul_(scale.to(out.dtype)[:, None])
         return out
     if mode == "int4":
-        out_f, in_f = out.shape
+        out_f = out.shape[0]
         n_groups = scale.shape[1]
-        lo = (q & 0x0F).to(torch.int8) - 8
-        hi = (q >> 4).to(torch.int8) - 8
-        values = torch.stack((lo, hi), dim=-1).reshape(out_f, n_groups, in_f // n_groups)
-        torch.mul(values.to(dtype), scale.to(dtype)[..., None], out=out.view(out_f, n_groups, -1))
+        pairs = out.view(out_f, -1, 2)
+        pairs[..., 0] = q & 0x0F
+        pairs[..., 1] = q >> 4
+        grouped = out.view(out_f, n_groups, -1)
+        grouped.sub_(8).mul_(scale.to(out.dtype)[..., None])
         return out
     raise ValueError(f"unknown quantization {mode!r}")
 

@@ -135,7 +135,8 @@ def read_vocab(src: Path, vocab_size: int, pre_tokenizer: str | None = None) -> 
     spec = _read_json(path)
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
-        raise ModelLoadError(f"{src}: tokenizer model '{model.get('type')}' is not BPE; only byte-level BPE is exported.")
+        raise ModelLoadError(f"{src}: tokenizer model '{model.get('type')}' is not BPE; "
+                             "only byte-level BPE tokenizers can be exported.")
     pre = pre_tokenizer or _detect_pre_tokenizer(spec, src)
 
     by_id: dict[int, tuple[str, int]] = {i: (t, _NORMAL) for t, i in model["vocab"].items()}

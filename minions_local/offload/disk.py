@@ -158,7 +158,7 @@ def write_pack(path: Path, *, layer: int, layout: LayerLayout, payload: torch.Te
     body = json.dumps(header).encode()
     head = MAGIC + struct.pack("<I", len(body)) + body
     head += b"\0" * (payload_offset - len(head))
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may pack the same model
     try:
         with _create_file(tmp) as f:
             f.write(head)

@@ -113,25 +113,24 @@ def load_streamed_causal_lm(
     scratch = _Scratch(layouts, quant, dtype, device)
     sources: list[RamSource | DiskSource] = []
     streamed: list[int] = []
-    for i, layer in enumerate(layers):
-        if tiers[i] == "disk":
-            sources.append(DiskSource(layouts[i], PackReader(packs[i])))
-            streamed.append(i)
-            continue
-        tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
-        if tiers[i] == "ram":
-            sources.append(RamSource(layouts[i], _pack_in_ram(layouts[i], tensors, device, stats)))
-            streamed.append(i)
-        elif quant == "none":
-            _load_resident_layer(layer, tensors, device, dtype)
-        else:
-            _ResidentPackedLayer(layer, layouts[i], tensors, scratch, device)
-        report.layer(i, tiers[i], layouts[i].nbytes)
-    ckpt.drop_page_cache()
-    ckpt.close()
+    try:
+        for i, layer in enumerate(layers):
+            source = _place_layer(i, layer, tiers[i], layouts[i], packs, ckpt, prefix, scratch, device, dtype, stats)
+            if source is not None:
+                sources.append(source)
+                streamed.append(i)
+            if tiers[i] != "disk":
+                report.layer(i, tiers[i], layouts[i].nbytes)
+        ckpt.drop_page_cache()
+        stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
+        stats.read_mode = _read_mode(sources, stats)
+    except BaseException:
+        for s in sources:
+            s.close()
+        raise
+    finally:
+        ckpt.close()
 
-    stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
-    stats.read_mode = _read_mode(sources, stats)
     if sources:
         store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
                            readers=readers if readers is not None else max(2, buffers))
@@ -167,6 +166,22 @@ def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
         return dtype_from_name(_DTYPE_ALIASES.get(name, name))
     except ValueError:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.") from None
+
+
+def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs: dict, ckpt: Checkpoint,
+                 prefix: str, scratch: _Scratch, device: torch.device, dtype: torch.dtype,
+                 stats: StreamStats) -> RamSource | DiskSource | None:
+    """Put layer i where its tier says; returns its source when it streams."""
+    if tier == "disk":
+        return DiskSource(layout, PackReader(packs[i]))
+    tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layout.param_numel()}
+    if tier == "ram":
+        return RamSource(layout, _pack_in_ram(layout, tensors, device, stats))
+    if layout.quant == "none":
+        _load_resident_layer(layer, tensors, device, dtype)
+    else:
+        _ResidentPackedLayer(layer, layout, tensors, scratch, device)
+    return None
 
 
 def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:
@@ -265,7 +280,7 @@ def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[Lay
         from platformdirs import user_cache_dir
 
         cache_dir = Path(user_cache_dir("minions-local")) / "packs"
-    pack_dir = Path(cache_dir) / folder_key(folder) / f"{layouts[0].dtype}-{layouts[0].quant}"
+    pack_dir = Path(cache_dir).expanduser() / folder_key(folder) / f"{layouts[0].dtype}-{layouts[0].quant}"
     fingerprint = ckpt.fingerprint()
     packs, todo = {}, []
     for i, t in enumerate(tiers):

@@ -430,3 +430,41 @@ async def test_visible_tree_is_redrawn_throttled_and_ends_on_the_last_pass(tmp_p
         await until(pilot, lambda: panel._pending is None)
         assert draws[-1] == passes
         assert f"Pass {passes} " in text_of(panel.query_one("#tree-body"))
+
+
+async def test_quit_does_not_wait_for_a_load_that_reports_nothing(tmp_path):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(profile, *, progress, **overrides):
+        release.wait(20)  # a long load step with no progress callback to interrupt it
+        raise RuntimeError("released")
+
+    app = make_app(tmp_path, factory=stuck)
+    try:
+        started = time.monotonic()
+        async with app.run_test(size=(120, 36)) as pilot:
+            await until(pilot, lambda: app._loading is not None)
+            await pilot.press("ctrl+q")
+        assert time.monotonic() - started < 5
+        assert not app.is_running
+    finally:
+        release.set()
+
+
+async def test_quit_mid_reply_keeps_the_partial_reply(tmp_path):
+    engine = FakeEngine(gate_after=2)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        app.prompt.text = "long one"
+        await pilot.press("enter")
+        await until(pilot, engine.waiting.is_set)
+        await until(pilot, lambda: bool(app.query(AssistantMessage).last().text))
+        await pilot.press("ctrl+q")
+    engine.gate.set()
+    saved = app.store.latest()
+    assert saved is not None and saved.messages[-1]["role"] == "assistant"
+    assert REPLY.startswith(saved.messages[-1]["content"])

@@ -141,3 +141,11 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
         main(argv, engine_factory=FakeFactory())
     assert exit_info.value.code == 2
     assert "minions-chat: error:" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_loading_exits_quietly(tmp_path):
+    def interrupted(profile, *, progress, **overrides):
+        raise KeyboardInterrupt
+
+    code, out, err, _ = run(["--plain"], "x", factory=interrupted, store=ConversationStore(tmp_path))
+    assert code == 130 and out == "" and "Traceback" not in err

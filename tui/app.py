@@ -4,6 +4,7 @@ only post the messages of `messages.py`; every widget is touched on the app thre
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,16 @@ from textual.widgets import Footer, Header
 from textual.worker import Worker, get_current_worker
 
 from ..errors import MinionsError
-from .bridge import DEFAULT_PROFILE, EngineFactory, deferred, drive, load_engine, request_stop, unexpected
+from .bridge import (
+    DEFAULT_PROFILE,
+    DaemonExecutor,
+    EngineFactory,
+    deferred,
+    drive,
+    load_engine,
+    request_stop,
+    unexpected,
+)
 from .commands import is_command
 from .messages import (
     EngineFailed,
@@ -136,6 +146,9 @@ class ChatApp(SlashCommands, App[None]):
         return self.query_one(PromptInput)
 
     async def on_mount(self) -> None:
+        # Thread workers run on the loop's default executor; make it one that does not
+        # hold the process after the user quits (see DaemonExecutor).
+        asyncio.get_running_loop().set_default_executor(DaemonExecutor())
         self.prompt.cursor_blink = self.options.cursor_blink
         self.query_one(TreePanel).display = False
         self.chat_log.anchor()
@@ -403,7 +416,11 @@ class ChatApp(SlashCommands, App[None]):
 
     def action_quit_now(self) -> None:
         if self.generating:
-            request_stop(self.engine)  # the worker thread must end before the process can
+            request_stop(self.engine)
+            if self._reply is not None and self._reply.text.strip():
+                # The reply's own end will not be seen: keep what streamed so far.
+                self.conversation.messages.append({"role": "assistant", "content": self._reply.text})
+                self._autosave()
         self.workers.cancel_all()
         self.exit()
 

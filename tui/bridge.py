@@ -7,7 +7,9 @@ cancellation flag between events, and always closes the generator.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -103,6 +105,36 @@ def request_stop(engine: Any) -> None:
     cancel = getattr(engine, "cancel", None)
     if callable(cancel):
         cancel()
+
+
+class DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Runs each job on its own daemon thread and never waits at shutdown (a
+    ThreadPoolExecutor only because asyncio accepts nothing else as default).
+
+    Textual runs thread workers on the event loop's default executor, which asyncio
+    joins when the app exits: a model load or a target pass, which cannot be
+    interrupted, would then hold the terminal after the UI is gone. While the app
+    runs, stops still land at the next pass; once the user quits, nothing waits.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as err:
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+        threading.Thread(target=run, name="minions-chat-worker", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to wait for: the threads are daemons."""
 
 
 @dataclass

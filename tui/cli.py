@@ -121,14 +121,18 @@ def main(
             conversation.max_new_tokens = args.max_new_tokens
         if args.system is not None:
             conversation.system = args.system
-        return run_plain(
-            profile=args.profile,
-            overrides=overrides,
-            conversation=conversation,
-            engine_factory=engine_factory,
-            store=store,
-            io=PlainIO(stdin, stdout, stderr),
-        )
+        try:
+            return run_plain(
+                profile=args.profile,
+                overrides=overrides,
+                conversation=conversation,
+                engine_factory=engine_factory,
+                store=store,
+                io=PlainIO(stdin, stdout, stderr),
+            )
+        except KeyboardInterrupt:  # Ctrl+C while loading: leave quietly
+            stderr.write("\n")
+            return 130
 
     from .app import ChatApp, ChatOptions
 

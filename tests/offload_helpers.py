@@ -91,3 +91,31 @@ def tree_pass_logits(model, *, prompt_len: int = 9, steps: int = 2, seed: int = 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def cached_pages(path: Path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, pages in the file), via mincore(2)."""
+    import ctypes
+    import mmap
+    import os
+
+    size = path.stat().st_size
+    page = mmap.PAGESIZE
+    n = (size + page - 1) // page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vec = ctypes.create_string_buffer(n)
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw), n

@@ -85,6 +85,7 @@ def read_header(path: Path) -> dict:
                 raise _damaged(path, f"header length {length} is implausible")
             body = f.read(length)
             size = os.fstat(f.fileno()).st_size
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # and its read-ahead
     except OSError as e:
         raise ModelLoadError(f"cannot read layer pack {path}: {e.strerror}. Check the disk and permissions.") from e
     if len(body) < length:

@@ -112,8 +112,8 @@ class DiskSource:
         self.reader.read_into(buffer)
 
     def submit(self, pool: ThreadPoolExecutor, buffer: torch.Tensor, ways: int) -> _Fetch:
-        """Read the layer as `ways` concurrent range reads: while one reader thread waits
-        for the GIL after its read returns, the other's request keeps the disk busy."""
+        """Read the layer as `ways` concurrent range reads, so the disk keeps queued
+        requests while a reader that just finished waits to be scheduled again."""
         futures = [pool.submit(self.reader.read_part, buffer, a, b) for a, b in self.reader.parts(ways)]
         return _Fetch(futures, lambda: self.reader.check(buffer))
 

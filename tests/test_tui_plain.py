@@ -42,8 +42,9 @@ def test_pipe_without_plain_flag_also_completes(tmp_path):
 
 
 def test_empty_stdin_is_an_error(tmp_path):
-    code, out, err, _ = run(["--plain"], "\n", store=ConversationStore(tmp_path))
+    code, out, err, factory = run(["--plain"], "\n", store=ConversationStore(tmp_path))
     assert code == 2 and out == "" and "nothing to complete" in err
+    assert factory.calls == []  # no model is loaded for nothing
 
 
 def test_load_error_is_one_readable_line(tmp_path):
@@ -149,3 +150,18 @@ def test_ctrl_c_while_loading_exits_quietly(tmp_path):
 
     code, out, err, _ = run(["--plain"], "x", factory=interrupted, store=ConversationStore(tmp_path))
     assert code == 130 and out == "" and "Traceback" not in err
+
+
+def test_closed_stdout_stops_generation_quietly(tmp_path):
+    class Closing(io.StringIO):
+        def write(self, text):
+            if self.tell() > 0:
+                raise BrokenPipeError
+            return super().write(text)
+
+    factory = FakeFactory()
+    out, err = Closing(), io.StringIO()
+    code = main(["--plain"], engine_factory=factory, store=ConversationStore(tmp_path),
+                stdin=io.StringIO("def f("), stdout=out, stderr=err)
+    assert code == 0 and err.getvalue() == ""
+    assert factory.engine.closed_early == 1

@@ -9,6 +9,7 @@ passes instead of tearing through the engine; a second Ctrl+C quits.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -35,10 +36,19 @@ class PlainIO:
     stdin: TextIO
     stdout: TextIO
     stderr: TextIO
+    closed: bool = False
+    """The reader of stdout went away (`| head`): stop generating, exit quietly."""
 
     def out(self, text: str) -> None:
-        self.stdout.write(text)
-        self.stdout.flush()
+        if self.closed:
+            return
+        try:
+            self.stdout.write(text)
+            self.stdout.flush()
+        except BrokenPipeError:
+            self.closed = True
+            if self.stdout is sys.stdout:  # no "Exception ignored" noise at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def err(self, text: str, end: str = "\n") -> None:
         self.stderr.write(text + end)
@@ -54,12 +64,18 @@ def run_plain(
     store: ConversationStore,
     io: PlainIO,
 ) -> int:
-    interactive = io.stdin.isatty()
+    if not io.stdin.isatty():
+        prompt = io.stdin.read()  # read before loading: an empty pipe fails fast
+        if prompt.endswith("\n"):
+            prompt = prompt[:-1]
+        if not prompt.strip():
+            io.err("minions-chat: nothing to complete on stdin.")
+            return 2
+        engine = _load(profile, overrides, engine_factory, io)
+        return 1 if engine is None else _complete(engine, prompt, conversation, io)
     engine = _load(profile, overrides, engine_factory, io)
     if engine is None:
         return 1
-    if not interactive:
-        return _complete_stdin(engine, conversation, io)
     io.err(engine.memory_plan_text())
     io.err(PLAIN_HELP)
     try:
@@ -99,7 +115,9 @@ def _generate(engine: Any, start: Callable[[], Any], io: PlainIO) -> Outcome:
     cancel = threading.Event()
     box: list[Outcome] = []
     worker = threading.Thread(
-        target=lambda: box.append(drive(deferred(start), on_text=io.out, cancelled=cancel.is_set)),
+        target=lambda: box.append(
+            drive(deferred(start), on_text=io.out, cancelled=lambda: cancel.is_set() or io.closed)
+        ),
         name="minions-generate",
         daemon=True,
     )
@@ -116,13 +134,7 @@ def _generate(engine: Any, start: Callable[[], Any], io: PlainIO) -> Outcome:
     return box[0]
 
 
-def _complete_stdin(engine: Any, conversation: Conversation, io: PlainIO) -> int:
-    prompt = io.stdin.read()
-    if prompt.endswith("\n"):
-        prompt = prompt[:-1]
-    if not prompt.strip():
-        io.err("minions-chat: nothing to complete on stdin.")
-        return 2
+def _complete(engine: Any, prompt: str, conversation: Conversation, io: PlainIO) -> int:
     try:
         outcome = _generate(
             engine,
@@ -135,6 +147,8 @@ def _complete_stdin(engine: Any, conversation: Conversation, io: PlainIO) -> int
         )
     except KeyboardInterrupt:
         return 130
+    if io.closed:
+        return 0
     if not outcome.text.endswith("\n"):
         io.out("\n")
     if outcome.error:

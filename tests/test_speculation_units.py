@@ -11,7 +11,8 @@ from minions_local.backends.hf import CachedModel
 from minions_local.speculation.accept import SamplingParams, accept
 from minions_local.speculation.budget import AdaptiveDepth, FixedBudget
 from minions_local.speculation.tree import TokenTree, causal_attention_mask
-from minions_local.speculation.vote import MinionWeights, contributions, merge_proposals
+from minions_local.speculation.selection import MinionSelector, contributions, marginal_tokens
+from minions_local.speculation.vote import merge_proposals
 from minions_local.events import StepRecord
 
 
@@ -86,16 +87,15 @@ def test_greedy_accept_walks_argmax_and_caps():
     assert accept(tree, logits, SamplingParams()) == ([0], 0)
 
 
-def test_contributions_and_weights_follow_acceptance():
+def test_contributions_and_marginal_tokens():
     tree = TokenTree.from_root(0)
     a = tree.add(0, 1, proposers=0b11)
     b = tree.add(a, 2, proposers=0b01)
-    assert contributions(tree, [0, a, b], 2) == [2, 1]
-    w = MinionWeights(["good", "bad"])
-    for _ in range(30):
-        w.observe([4, 0], [True, True])
-    good, bad = w.weights()
-    assert good == 1.0 and bad == w.floor
+    c = tree.add(b, 3, proposers=0b11)
+    assert contributions(tree, [0, a, b, c], 2) == [3, 2]
+    # Without minion 0 the path stops before b (nobody else proposed it).
+    assert marginal_tokens(tree, [0, a, b, c], 0) == 2
+    assert marginal_tokens(tree, [0, a, b, c], 1) == 0
 
 
 def test_budgets():

@@ -18,7 +18,8 @@ from ..events import StepRecord, TreeSnapshot
 from .accept import SamplingParams, accept
 from .budget import BudgetPolicy, StepBudget
 from .tree import TokenTree
-from .vote import MinionWeights, contributions, merge_proposals
+from .selection import MinionSelector
+from .vote import merge_proposals
 
 
 @dataclass
@@ -32,13 +33,13 @@ class StepResult:
 
 class Decoder:
     def __init__(self, target: HFTarget, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
-                 keep_trees: bool = True) -> None:
+                 keep_trees: bool = True, select_minions: bool = True) -> None:
         self.target = target
         self.minions = minions
         self.policy = policy
         self.top_k = top_k
         self.keep_trees = keep_trees
-        self.weights = MinionWeights([m.name for m in minions])
+        self.selector = MinionSelector([m.name for m in minions], adaptive=select_minions)
 
     def reset(self) -> None:
         """Drop every cache (after an interrupted step the caches may be half-written)."""
@@ -51,8 +52,9 @@ class Decoder:
         """One target pass over a voted tree below context[-1]; `remaining` >= 1 caps
         how many tokens this step may commit."""
         budget = self.policy.choose(remaining) if self.minions else StepBudget(0, 0, 1)
+        weights = self.selector.weights()
         t0 = time.perf_counter()
-        tree, ran = self._grow(context, budget)
+        tree, ran, grow_seconds = self._grow(context, budget, weights)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         logits = self.target.verify(context, tree)
@@ -63,29 +65,34 @@ class Decoder:
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         for m in self.minions:
             m.commit(tokens)
-        contributed = contributions(tree, path, len(self.minions))
-        weights = self.weights.weights()
-        self.weights.observe(contributed, ran)
+        contributed = self.selector.observe(tree, path, ran, grow_seconds, t2 - t0, len(tokens))
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
             bytes_streamed=self.target.bytes_streamed() - streamed_before, depth=tree.depth,
             new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
-            minion_weights={m.name: w for m, w in zip(self.minions, weights)},
+            minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
             predicted_t_verify=budget.predicted_t_verify, predicted_t_grow=budget.predicted_t_grow,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
-    def _grow(self, context: list[int], budget: StepBudget) -> tuple[TokenTree, list[bool]]:
+    def _grow(self, context: list[int], budget: StepBudget,
+              weights: list[float]) -> tuple[TokenTree, list[bool], list[float]]:
+        n = len(self.minions)
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
-            return TokenTree.from_root(context[-1]), [False] * len(self.minions)
+            return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n
         grow_budget = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width,
                                  top_k=self.top_k)
-        proposals: list[CandidateTree | None] = [m.grow(context, grow_budget) for m in self.minions]
-        ran = [p is not None for p in proposals]
-        merged = merge_proposals(context[-1], proposals, self.weights.weights(), self.target.vocab_size)
-        return merged.select(budget.nodes, budget.depth), ran
+        ran = self.selector.choose()
+        proposals: list[CandidateTree | None] = []
+        seconds = []
+        for minion, run in zip(self.minions, ran):
+            start = time.perf_counter()
+            proposals.append(minion.grow(context, grow_budget) if run else None)
+            seconds.append(time.perf_counter() - start)
+        merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
+        return merged.select(budget.nodes, budget.depth), ran, seconds
 
 
 def snapshot(result: StepResult, names: list[str], decode_token) -> TreeSnapshot:

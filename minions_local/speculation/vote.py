@@ -1,4 +1,4 @@
-"""Merging the minions' proposals into one voted tree, and learning whom to trust.
+"""Merging the minions' proposals into one voted tree (weights: selection.py).
 
 A node's score estimates the probability that the target accepts the path to it:
 the weighted average, over minions, of each minion's own path probability (0 for a
@@ -10,7 +10,6 @@ the top-N nodes always yields a connected subtree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from ..backends.base import CandidateTree
 from .tree import TokenTree
@@ -41,43 +40,3 @@ def merge_proposals(root_token: int, proposals: list[CandidateTree | None], weig
             tree.scores[node] += share * math.exp(logprob)
             mapped.append(node)
     return tree
-
-
-@dataclass
-class MinionWeights:
-    """Vote weights that follow each minion's recent acceptance record.
-
-    Each minion's record is an exponential moving average of how many accepted draft
-    tokens lay on paths it proposed. A minion that keeps being right gets a larger
-    share of the vote; the floor keeps a cold minion able to recover.
-    """
-
-    names: list[str]
-    decay: float = 0.9
-    floor: float = 0.05
-    records: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.records:
-            self.records = [1.0] * len(self.names)
-
-    def weights(self) -> list[float]:
-        best = max(self.records, default=1.0) or 1.0
-        return [max(r / best, self.floor) for r in self.records]
-
-    def observe(self, contributed: list[int], ran: list[bool]) -> None:
-        """contributed[m]: accepted draft tokens on minion m's proposals this step."""
-        for m, (c, did_run) in enumerate(zip(contributed, ran)):
-            if did_run:
-                self.records[m] = self.decay * self.records[m] + (1 - self.decay) * c
-
-
-def contributions(tree: TokenTree, accepted_path: list[int], n_minions: int) -> list[int]:
-    """Per minion: accepted draft nodes (root excluded) that the minion proposed."""
-    counts = [0] * n_minions
-    for node in accepted_path[1:]:
-        mask = tree.proposers[node]
-        for m in range(n_minions):
-            if mask >> m & 1:
-                counts[m] += 1
-    return counts

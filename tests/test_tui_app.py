@@ -468,3 +468,15 @@ async def test_quit_mid_reply_keeps_the_partial_reply(tmp_path):
     saved = app.store.latest()
     assert saved is not None and saved.messages[-1]["role"] == "assistant"
     assert REPLY.startswith(saved.messages[-1]["content"])
+
+
+async def test_ctrl_c_copies_a_selection_instead_of_quitting(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        await pilot.press(*"some text")
+        await pilot.press("shift+home")
+        await pilot.press("ctrl+c")
+        await pilot.press("ctrl+c")
+        assert app.is_running
+        assert app.clipboard == "some text"

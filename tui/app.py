@@ -403,6 +403,8 @@ class ChatApp(SlashCommands, App[None]):
                 self._reply.footer.update("stopping after this pass…")
 
     def action_interrupt(self) -> None:
+        if not self.generating and self._copy_selection():
+            return
         now = time.monotonic()
         if now - self._last_interrupt < QUIT_WINDOW:
             self.action_quit_now()
@@ -413,6 +415,18 @@ class ChatApp(SlashCommands, App[None]):
             self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW)
         else:
             self.notify("Press Ctrl+C again (or Ctrl+Q) to quit.", timeout=QUIT_WINDOW)
+
+    def _copy_selection(self) -> bool:
+        """Ctrl+C with text selected (with the mouse, or in the prompt) copies it."""
+        selected = self.screen.get_selected_text()
+        if not selected and self.focused is self.prompt:
+            selected = self.prompt.selected_text
+        if not selected:
+            return False
+        self.copy_to_clipboard(selected)
+        self.screen.clear_selection()
+        self.notify(f"Copied {len(selected)} characters.", timeout=QUIT_WINDOW)
+        return True
 
     def action_quit_now(self) -> None:
         if self.generating:

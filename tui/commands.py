@@ -23,7 +23,7 @@ HELP = """\
 
 **Keys:** Enter sends · Ctrl+J (or Alt+Enter) adds a line · a line ending in `\\` continues ·
 ↑/↓ browse history · PgUp/PgDn scroll · Esc or Ctrl+C stops a reply · Ctrl+T tree · F2 stats ·
-Ctrl+C twice or Ctrl+Q quits
+Ctrl+C copies selected text · Ctrl+C twice or Ctrl+Q quits
 """
 
 NAMES = ("help", "new", "save", "load", "profile", "temp", "max", "system", "stats", "tree", "raw", "copy", "quit")

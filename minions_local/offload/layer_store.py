@@ -146,6 +146,8 @@ class LayerStore:
             if any(s.tier == "disk" for s in self.sources):
                 self._staging = [aligned_empty(size, pin=True) for _ in range(self.k)]
         self.readers = max(1, readers)
+        self.parts = self.readers
+        """Range reads per disk layer."""
         self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="layer-reader")
         self._pending: dict[int, _Fetch] = {}
         self._seq = 0
@@ -206,7 +208,7 @@ class LayerStore:
         source, k = self.sources[m % len(self.sources)], m % self.k
         if not self.cuda:
             if isinstance(source, DiskSource):
-                return source.submit(self._pool, self.buffers[k], self.readers)
+                return source.submit(self._pool, self.buffers[k], self.parts)
             return _Fetch([self._pool.submit(source.read_into, self.buffers[k])])
         if source.tier == "ram":  # enqueueing an async copy is cheap: no thread needed
             self._copy_to_device(source.data, k, source.layout.padded_nbytes)

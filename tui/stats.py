@@ -142,15 +142,18 @@ def render_stats(
     speed.add_row("tokens", str(stats.new_tokens), "")
 
     shares = Table.grid(padding=(0, 1))
-    shares.add_column(no_wrap=True)
+    shares.add_column(no_wrap=True, max_width=18, overflow="ellipsis")
     shares.add_column(no_wrap=True)
     shares.add_column(justify="right", no_wrap=True)
+    shares.add_column(justify="right", no_wrap=True, style="dim")
     for name, share in stats.minion_shares(minion_names).items():
         color = colors.get(name, "white")
+        weight = stats.minion_weights.get(name)
         shares.add_row(
             Text("● ", style=color) + Text(name, style=color),
             share_bar(share, 8, color),
             f"{share:4.0%}",
+            "" if weight is None else f"w{weight:.2f}",
         )
 
     tiers = Table.grid(padding=(0, 1))
@@ -167,7 +170,7 @@ def render_stats(
                        style="dim italic")
         parts = [heading(title), waiting]
     else:
-        parts = [heading(title), speed, Text(""), heading("Accepted tokens by minion"), shares]
+        parts = [heading(title), speed, Text(""), heading("Accepted tokens by minion (vote weight)"), shares]
     if memory:
         parts += [Text(""), heading("Memory per tier"), tiers]
     return Group(*parts)

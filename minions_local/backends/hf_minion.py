@@ -15,23 +15,32 @@ import numpy as np
 import torch
 
 from .base import CandidateTree, GrowBudget
+from .compact import CompactModel, supports
 from .hf import CachedModel
 
 
-class HFMinion(CachedModel):
-    def __init__(self, model, name: str) -> None:
-        super().__init__(model)
+class HFMinion:
+    def __init__(self, model, name: str, compact: bool = True) -> None:
+        # The compact forward is the same math with a fraction of the framework
+        # overhead, which is most of a small model's time; transformers runs the rest.
+        self.runner: CachedModel = CompactModel(model) if compact and supports(model) else CachedModel(model)
+        self.model = model
         self.name = name
+        self.vocab_size = self.runner.vocab_size
+
+    def reset(self) -> None:
+        self.runner.reset()
 
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0:
             return tree
-        pending = self.sync(context)
+        runner = self.runner
+        pending = runner.sync(context)
         if not pending:  # the root was run before: re-run it to get its distribution
-            self.truncate(len(context) - 1)
+            runner.truncate(len(context) - 1)
             pending = context[-1:]
-        root_logits = self.extend(pending)[-1]
+        root_logits = runner.extend(pending)[-1]
         base_pos = len(context) - 1  # the root's position
         order = itertools.count()  # tie-breaker: earlier candidates first
         frontier: list[tuple[float, int, int, int, float, int]] = []
@@ -60,7 +69,7 @@ class HFMinion(CachedModel):
             if len(tree) >= budget.max_nodes or all(depths[n] >= budget.max_depth for n in batch):
                 break
             first = batch[0]  # batches are contiguous node ranges
-            logits = self.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
+            logits = runner.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
                                   [depths[n] for n in batch], base_pos)
             for row, node in enumerate(batch):
                 offer(logits[row], node, tree.logprobs[node], depths[node] + 1)

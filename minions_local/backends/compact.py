@@ -1,0 +1,173 @@
+"""A compact forward for small Llama-family minions (Llama, Qwen2, Mistral).
+
+A minion's forward runs a handful of tokens through a few narrow layers, so in
+transformers most of its time is framework overhead: a dozen module calls per
+layer, RMSNorm's fp32 round trips, and a cache that re-concatenates itself every
+pass. Here the same weights run with q/k/v and gate/up fused into one matmul each,
+a fused RMSNorm, and a preallocated KV cache written in place. Rotary embeddings come
+from the model's own rotary module, so every RoPE scaling variant stays correct.
+
+Only minions use it: their numerics need not match the target's bit for bit (the
+target decides what is accepted), and tests check the logits against transformers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..speculation.tree import tree_attention_mask
+from .hf import CachedModel
+
+
+class CompactDecoder:
+    def __init__(self, model, capacity: int = 512) -> None:
+        cfg = model.config
+        if not supports(model):
+            raise ValueError(f"the compact forward does not support this {cfg.model_type} configuration")
+        inner = model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.norm_w, self.eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+        self.kv = self._alloc(min(capacity, self.max_len))
+        self.length = 0
+
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        shape = (len(self.layers), 2, self.kv_heads, capacity, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _reserve(self, needed: int) -> None:
+        """Grow the cache by doubling: a long-context minion never preallocates its
+        whole window."""
+        capacity = self.kv.shape[3]
+        if needed <= capacity:
+            return
+        while capacity < needed:
+            capacity *= 2
+        bigger = self._alloc(capacity)
+        bigger[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
+        self.kv = bigger
+
+    def _fuse(self, layer) -> dict:
+        att, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        bias = None
+        if att.q_proj.bias is not None:
+            bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+        return {
+            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+            "qkv": qkv, "qkv_bias": bias, "o": att.o_proj.weight,
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "down": mlp.down_proj.weight,
+            "inter": mlp.gate_proj.weight.shape[0],
+        }
+
+    # --- cache edits (same contract as backends.hf.CachedModel) ------------------------
+
+    def truncate(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+
+    @torch.inference_mode()  # the cache is an inference tensor: edit it in the same mode
+    def keep_entries(self, positions: list[int]) -> None:
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        n = len(positions)
+        self.kv[:, :, :, :n] = self.kv.index_select(3, index)
+        self.length = n
+
+    # --- forward ---------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype) * w
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] (float32) for T new tokens; mask (1, 1, T, length + T) additive."""
+        t = len(tokens)
+        self._reserve(self.length + t)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        x = F.embedding(ids, self.embed).unsqueeze(0)  # [1, T, d]
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, hd]
+        start, end = self.length, self.length + t
+        nq, nkv, hd = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
+            q = qkv[..., :nq].view(1, t, self.heads, hd).transpose(1, 2)
+            k = qkv[..., nq:nq + nkv].view(1, t, self.kv_heads, hd).transpose(1, 2)
+            v = qkv[..., nq + nkv:].view(1, t, self.kv_heads, hd).transpose(1, 2)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self.kv[i, 0, :, start:end] = k[0]
+            self.kv[i, 1, :, start:end] = v[0]
+            keys = self.kv[i, 0, :, :end].unsqueeze(0)
+            values = self.kv[i, 1, :, :end].unsqueeze(0)
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.heads != self.kv_heads)
+            x = x + F.linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
+            h = self._rms(x, L["ln2"])
+            gate_up = F.linear(h, L["gate_up"])
+            x = x + F.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
+        self.length = end
+        x = self._rms(x, self.norm_w)
+        return F.linear(x[0], self.lm_head).float()
+
+
+def supports(model) -> bool:
+    """Llama-family layouts: full attention, SiLU gated MLP, biases only on q/k/v."""
+    cfg = model.config
+    if cfg.model_type not in ("llama", "qwen2", "mistral") or getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral"):
+        return False  # a window needs its own mask rule; transformers handles it
+    layer = model.model.layers[0]
+    att, mlp = layer.self_attn, layer.mlp
+    needed = [getattr(att, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    needed += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if any(m is None or not hasattr(m, "weight") for m in needed):
+        return False
+    return all(m.bias is None for m in needed[3:])
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class CompactModel(CachedModel):
+    """CachedModel's contract (sync, extend, forward, truncate, keep_entries) on top
+    of the compact forward and its in-place cache."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.decoder = CompactDecoder(model)
+        self.cache = None  # the decoder owns the keys and values
+
+    def reset(self) -> None:
+        self.decoder.truncate(0)
+        self.cached = []
+
+    @property
+    def cache_len(self) -> int:
+        return self.decoder.length
+
+    def truncate(self, keep: int) -> None:
+        self.decoder.truncate(keep)
+        self.cached = self.cached[:keep]
+
+    def keep_entries(self, positions: list[int]) -> None:
+        self.decoder.keep_entries(positions)
+
+    def forward(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int) -> torch.Tensor:
+        prefix = self.cache_len + len(tokens) - anc.shape[1]
+        mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
+        pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
+        return self.decoder.forward(tokens, mask, pos)

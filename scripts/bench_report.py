@@ -1,0 +1,201 @@
+"""Turning the benchmark's runs into figures: ratios, goal checks, table, plot.
+
+Absolute times on the shared 2-core box swing 5x with other people's jobs, so the
+headline figures are ratios taken round by round: in each round (one prompt, one
+decoding mode) every method ran back to back, and a method's speed is divided by the
+autoregressive baseline's speed in that same round; rounds are combined by the
+geometric mean. Tokens/s (total tokens / total seconds) is reported beside them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+from bench_methods import Method, Run
+
+BASELINE = "autoregressive"
+MODES = ("greedy", "sampled")
+GOALS = {
+    "disk_vs_autoregressive": 5.0,
+    "ram_vs_best_transformers": 1.5,
+    "adaptive_vs_best_fixed": 0.95,
+    "step_time_prediction_error": 0.15,
+}
+
+
+@dataclass
+class Summary:
+    tokens: int
+    seconds: float
+    passes: int
+    vs_baseline: float
+    """Geometric mean over rounds of (tokens/s) / (baseline tokens/s in the same round)."""
+    greedy_identical: float | None = None
+    """Share of greedy rounds whose tokens equal the baseline's (our engine must be 1.0)."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+
+def geomean(values: list[float]) -> float:
+    values = [v for v in values if v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else 0.0
+
+
+def summarize(rounds: list[dict[str, Run]], modes: list[str]) -> dict[str, dict[str, Summary]]:
+    """rounds[i]: method name -> its run in round i; modes[i]: that round's mode.
+    Returns method -> mode ('greedy', 'sampled', 'all') -> Summary."""
+    grouped: dict[str, dict[str, list[tuple[Run, Run]]]] = defaultdict(lambda: defaultdict(list))
+    for runs, mode in zip(rounds, modes):
+        base = runs[BASELINE]
+        for name, run in runs.items():
+            grouped[name][mode].append((run, base))
+            grouped[name]["all"].append((run, base))
+    out: dict[str, dict[str, Summary]] = {}
+    for name, by_mode in grouped.items():
+        out[name] = {}
+        for mode, pairs in by_mode.items():
+            ratios = [r.tokens_per_second / b.tokens_per_second for r, b in pairs if b.tokens_per_second > 0]
+            same = None
+            if mode == "greedy":
+                same = sum(r.tokens == b.tokens for r, b in pairs) / len(pairs)
+            out[name][mode] = Summary(sum(len(r.tokens) for r, _ in pairs), sum(r.seconds for r, _ in pairs),
+                                      sum(r.passes for r, _ in pairs), geomean(ratios), same)
+    return out
+
+
+def prediction_errors(runs: list[Run]) -> dict[str, float | None]:
+    """Median relative error of the policy's predicted step, verify and grow times."""
+    step, verify, grow = [], [], []
+    for run in runs:
+        for s in run.steps:
+            if s.predicted_t_verify is None or s.predicted_t_grow is None:
+                continue
+            measured = s.t_verify + s.t_grow
+            if measured > 0:
+                step.append(abs(s.predicted_t_verify + s.predicted_t_grow - measured) / measured)
+            if s.t_verify > 0:
+                verify.append(abs(s.predicted_t_verify - s.t_verify) / s.t_verify)
+            if s.t_grow > 0 and s.tree_size > 0:
+                grow.append(abs(s.predicted_t_grow - s.t_grow) / s.t_grow)
+    pick = lambda xs: round(median(xs), 4) if xs else None  # noqa: E731
+    return {"step": pick(step), "verify": pick(verify), "grow": pick(grow), "steps": len(step)}
+
+
+def goal_checks(tier: str, summary: dict[str, dict[str, Summary]], methods: list[Method],
+                errors: dict[str, float | None]) -> dict[str, dict]:
+    """Each goal: its value, the threshold, and whether it passed (None = not applicable here)."""
+    families = {m.name: m.family for m in methods}
+    adaptive = [n for n, f in families.items() if f == "adaptive"]
+    fixed = [n for n, f in families.items() if f == "fixed"]
+    hf = [n for n, f in families.items() if f == "transformers"]
+    vs = lambda n: summary[n]["all"].vs_baseline  # noqa: E731
+    checks: dict[str, dict] = {}
+
+    def put(key: str, value: float | None, applies: bool, lower_is_better: bool = False) -> None:
+        limit = GOALS[key]
+        passed = None if value is None or not applies else (value <= limit if lower_is_better else value >= limit)
+        checks[key] = {"value": None if value is None else round(value, 3), "goal": limit, "passed": passed,
+                       "applies": applies}
+
+    a = vs(adaptive[0]) if adaptive else None
+    put("disk_vs_autoregressive", a, tier == "disk")
+    best_hf = max(hf, key=vs) if hf else None
+    put("ram_vs_best_transformers", a / vs(best_hf) if a and best_hf else None, tier == "ram")
+    best_fixed = max(fixed, key=vs) if fixed else None
+    put("adaptive_vs_best_fixed", a / vs(best_fixed) if a and best_fixed else None, True)
+    put("step_time_prediction_error", errors.get("step"), True, lower_is_better=True)
+    checks["ram_vs_best_transformers"]["best_transformers"] = best_hf
+    checks["adaptive_vs_best_fixed"]["best_fixed"] = best_fixed
+    return checks
+
+
+def table_rows(summary: dict[str, dict[str, Summary]], methods: list[Method]) -> list[list[str]]:
+    hf = [m.name for m in methods if m.family == "transformers"]
+    best_hf = max(hf, key=lambda n: summary[n]["all"].vs_baseline) if hf else None
+    rows = []
+    for m in methods:
+        s = summary[m.name]
+        row = [m.name, m.detail or "", str(m.threads)]
+        for mode in MODES:
+            x = s.get(mode)
+            row += [f"{x.tokens_per_second:.1f}", f"{x.tokens_per_pass:.2f}", f"{x.vs_baseline:.2f}x"] if x \
+                else ["-", "-", "-"]
+        allx = s["all"]
+        row.append(f"{allx.vs_baseline / summary[best_hf]['all'].vs_baseline:.2f}x" if best_hf else "-")
+        g = s.get("greedy")
+        row.append("-" if g is None or g.greedy_identical is None else f"{g.greedy_identical:.0%}")
+        rows.append(row)
+    return rows
+
+
+HEADER = ["method", "chosen", "thr", "greedy tok/s", "tok/pass", "vs AR", "sampled tok/s", "tok/pass", "vs AR",
+          "vs best HF", "= AR greedy"]
+
+
+def print_table(rows: list[list[str]], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for row in [HEADER, *rows]:
+            print("  ".join(f"{c:>12}" if i else f"{c:<28}" for i, c in enumerate(row)))
+        return
+    table = Table(title=title)
+    for i, name in enumerate(HEADER):
+        table.add_column(name, justify="left" if i < 2 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=200).print(table)
+
+
+def write_plot(path: Path, summary: dict[str, dict[str, Summary]], methods: list[Method], accepted: list[int],
+               title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m.name for m in methods]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.4
+    for k, mode in enumerate(MODES):
+        values = [summary[n][mode].tokens_per_second if mode in summary[n] else 0.0 for n in names]
+        left.bar([i + (k - 0.5) * width for i in range(len(names))], values, width, label=mode)
+    left.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    left.set_ylabel("tokens/s (prefill included)")
+    left.set_title(title)
+    left.legend()
+    if accepted:
+        right.hist(accepted, bins=range(0, max(accepted) + 2), align="left", rwidth=0.85)
+    right.set_xlabel("draft tokens accepted per pass")
+    right.set_ylabel("passes")
+    right.set_title("adaptive engine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def as_json(summary: dict[str, dict[str, Summary]], methods: list[Method]) -> dict[str, dict]:
+    out = {}
+    for m in methods:
+        entry: dict = {"family": m.family, "threads": m.threads, "chosen": m.detail}
+        for mode, s in summary[m.name].items():
+            entry[mode] = {"tokens_per_s": round(s.tokens_per_second, 2), "tokens_per_pass": round(s.tokens_per_pass, 3),
+                           "vs_autoregressive": round(s.vs_baseline, 3), "tokens": s.tokens,
+                           "seconds": round(s.seconds, 3), "passes": s.passes}
+            if s.greedy_identical is not None:
+                entry[mode]["greedy_identical"] = round(s.greedy_identical, 3)
+        out[m.name] = entry
+    return out

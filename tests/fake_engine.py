@@ -182,6 +182,8 @@ class FakeEngine:
             new_tokens=len(chunk),
             minion_accepted={"tiny-a": k, "tiny-b": k // 2, "ngram": k if n % 3 == 0 else 0},
             minion_weights={"tiny-a": 0.5, "tiny-b": 0.3, "ngram": 0.2},
+            predicted_t_verify=0.018,
+            predicted_t_grow=0.005,
             tree=tree,
         )
 

@@ -40,6 +40,7 @@ def test_stats_sum_records():
     assert stats.tokens_per_second == pytest.approx(4 / 0.1)
     assert stats.stream_gbps == pytest.approx(160e6 / 0.08 / 1e9)
     assert stats.mean_tree_size == 8.0 and stats.last_tree_size == 6
+    assert stats.predicted_passes == 0
     assert stats.minion_shares(["a", "b", "c"]) == {"a": 1.0, "b": 0.5, "c": 0.0}
     snap = stats.copy()
     stats.add(record(2, 1, 4, minion_accepted={"a": 1}))
@@ -48,6 +49,13 @@ def test_stats_sum_records():
     total.merge(snap)
     total.merge(stats)
     assert total.passes == 5 and total.minion_accepted["a"] == 5
+
+
+def test_cost_model_predictions_are_shown_next_to_measurements():
+    stats = GenerationStats()
+    stats.add(record(2, 1, 4, predicted_t_verify=0.05, predicted_t_grow=0.02))
+    text = plain(render_stats(stats, minion_names=[], colors={}, memory={}))
+    assert "40.0 ms/pass (model 50.0)" in text and "10.0 ms/pass (model 20.0)" in text
 
 
 def test_empty_stats_render_without_dividing_by_zero():

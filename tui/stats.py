@@ -34,6 +34,10 @@ class GenerationStats:
     minion_accepted: dict[str, int] = field(default_factory=dict)
     minion_weights: dict[str, float] = field(default_factory=dict)
     recent_tokens_per_pass: list[int] = field(default_factory=list)
+    predicted_passes: int = 0
+    """Passes that carried the cost model's predictions (the sums below)."""
+    predicted_t_verify: float = 0.0
+    predicted_t_grow: float = 0.0
 
     def add(self, record: StepRecord) -> None:
         self.passes += 1
@@ -51,6 +55,10 @@ class GenerationStats:
             self.minion_weights = dict(record.minion_weights)
         self.recent_tokens_per_pass.append(record.new_tokens)
         del self.recent_tokens_per_pass[:-RECENT]
+        if record.predicted_t_verify is not None:
+            self.predicted_passes += 1
+            self.predicted_t_verify += record.predicted_t_verify
+            self.predicted_t_grow += record.predicted_t_grow or 0.0
 
     def merge(self, other: GenerationStats) -> None:
         """Add another reply's totals (for session-wide numbers)."""
@@ -69,6 +77,9 @@ class GenerationStats:
         self.recent_tokens_per_pass = (
             self.recent_tokens_per_pass + other.recent_tokens_per_pass
         )[-RECENT:]
+        self.predicted_passes += other.predicted_passes
+        self.predicted_t_verify += other.predicted_t_verify
+        self.predicted_t_grow += other.predicted_t_grow
 
     def copy(self) -> GenerationStats:
         """A snapshot safe to hand to another thread."""
@@ -138,6 +149,12 @@ def render_stats(
     speed.add_row("tree size", str(stats.last_tree_size), f"nodes, depth {stats.last_depth}")
     speed.add_row("mean tree", f"{stats.mean_tree_size:.1f}", "nodes")
     speed.add_row("stream", f"{stats.stream_gbps:.2f}", "GB/s")
+    for label, measured, predicted in (
+        ("verify", stats.t_verify, stats.predicted_t_verify),
+        ("grow", stats.t_grow, stats.predicted_t_grow),
+    ):
+        model = f" (model {1000 * predicted / stats.predicted_passes:.1f})" if stats.predicted_passes else ""
+        speed.add_row(label, f"{1000 * measured / max(stats.passes, 1):.1f}", f"ms/pass{model}")
     speed.add_row("passes", str(stats.passes), "")
     speed.add_row("tokens", str(stats.new_tokens), "")
 

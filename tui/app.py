@@ -333,6 +333,7 @@ class ChatApp(SlashCommands, App[None]):
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
         reply, self._reply = self._reply, None
+        self._generation = None  # it holds the engine: let /profile free the old one
         self._set_generating(False)
         stats = message.stats or GenerationStats()
         self.session_stats.merge(stats)

@@ -124,9 +124,8 @@ class SlashCommands:
         if not command.arg:
             await self._say(Note(Text(_profiles_text(self.profile)), title="profiles"))
             return
-        self.engine = None
         self.minion_names = []
-        await self._start_loading(command.arg, {})
+        await self._start_loading(command.arg, {})  # drops the old engine first
 
     async def _cmd_stats(self: ChatApp, command: Command) -> None:
         stats_panel = self.query_one(StatsPanel)

@@ -208,7 +208,7 @@ class Engine:
             generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
             context = list(ids)
             t0 = time.perf_counter()
-            self._guarded(lambda: self.decoder.target.prefill(context))
+            self._guarded(lambda: self.decoder.prefill(context))
             prefill = time.perf_counter() - t0
             text = IncrementalText(self.tokenizer)
             out = _Output(stops)

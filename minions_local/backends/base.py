@@ -79,3 +79,11 @@ class Minion(Protocol):
     def reset(self) -> None:
         """Forget all cached state."""
         ...
+
+
+def prefill(minion: Minion, context: list[int]) -> None:
+    """Let a minion catch up on a new prompt before the first step, if it can, so
+    that its per-step grow time (which decides whether it runs) is not charged for it."""
+    catch_up = getattr(minion, "prefill", None)
+    if catch_up is not None:
+        catch_up(context)

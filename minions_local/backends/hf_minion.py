@@ -31,6 +31,10 @@ class HFMinion:
     def reset(self) -> None:
         self.runner.reset()
 
+    def prefill(self, context: list[int]) -> None:
+        """Run everything but the root, which grow() runs with the tree."""
+        self.runner.extend(self.runner.sync(context[:-1]))
+
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0:

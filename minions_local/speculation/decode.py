@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.base import CandidateTree, GrowBudget, Minion
+from ..backends.base import CandidateTree, GrowBudget, Minion, prefill
 from ..backends.hf_target import HFTarget
 from ..events import StepRecord, TreeSnapshot
 from .accept import SamplingParams, accept
@@ -40,6 +40,12 @@ class Decoder:
         self.top_k = top_k
         self.keep_trees = keep_trees
         self.selector = MinionSelector([m.name for m in minions], adaptive=select_minions)
+
+    def prefill(self, context: list[int]) -> None:
+        """Bring every model's cache up to the prompt (reusing what each already has)."""
+        self.target.prefill(context)
+        for m in self.minions:
+            prefill(m, context)
 
     def reset(self) -> None:
         """Drop every cache (after an interrupted step the caches may be half-written)."""

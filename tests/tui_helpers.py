@@ -27,7 +27,7 @@ def make_app(
     )
 
 
-async def until(pilot: Any, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(pilot: Any, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     """Let the app run until `predicate()` holds (polling in small steps)."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -51,11 +51,13 @@ def package_file(package: str, rel: str) -> Path | None:
 def function_sources(path: Path, min_chars: int) -> list[tuple[str, str]]:
     """(name, source) of each function in the file (file order), long enough to prompt with."""
     text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
     found = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            segment = ast.get_source_segment(text, node, padded=True)
-            if segment and len(segment) >= min_chars:
+            # Whole lines from the `def` (decorators left out) to the end: indentation kept.
+            segment = "".join(lines[node.lineno - 1: node.end_lineno])
+            if len(segment) >= min_chars:
                 found.append((node.lineno, node.name, segment))
     return [(name, segment) for _, name, segment in sorted(found)]
 
@@ -68,19 +70,26 @@ def held_out_prompts(tokenizer, count: int, prompt_tokens: int = 200, skip: int 
     continuation is code from the same function, not the next definition.
     """
     min_chars = prompt_tokens * 3 * 4  # ~4 characters per token of code
-    per_file = []
-    for package, rel in SOURCE_FILES:
-        path = package_file(package, rel)
-        if path is not None:
-            per_file.append((f"{package}/{rel}", function_sources(path, min_chars)))
+    files = [(f"{package}/{rel}", path) for package, rel in SOURCE_FILES
+             if (path := package_file(package, rel)) is not None]
+    parsed: dict[str, list[tuple[str, str]]] = {}  # parsed on first use: few prompts read few files
     prompts: list[Prompt] = []
-    depth, seen = 0, 0
-    while len(prompts) < count and any(depth < len(funcs) for _, funcs in per_file):
-        for label, funcs in per_file:
-            if depth >= len(funcs) or len(prompts) >= count:
+    seen = 0
+    depth = 0
+    while len(prompts) < count:
+        if len(parsed) == len(files) and all(depth >= len(f) for f in parsed.values()):
+            break  # every file exhausted
+        for label, path in files:
+            if len(prompts) >= count:
+                break
+            if label not in parsed:
+                parsed[label] = function_sources(path, min_chars)
+            funcs = parsed[label]
+            if depth >= len(funcs):
                 continue
             name, source = funcs[depth]
-            ids = list(tokenizer.encode(source, add_special_tokens=False))[:prompt_tokens]
+            # Only the head is needed: ~8 characters per token is more than any code needs.
+            ids = list(tokenizer.encode(source[: prompt_tokens * 8], add_special_tokens=False))[:prompt_tokens]
             if len(ids) < prompt_tokens:
                 continue
             seen += 1

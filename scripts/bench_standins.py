@@ -21,16 +21,16 @@ from demo_tokenizer import as_hf_tokenizer, train_byte_level_bpe
 TOKENIZER_SOURCES = ("collections/__init__.py", "functools.py", "inspect.py", "argparse.py", "typing.py")
 
 
-def _tokenizer(vocab_size: int):
+def _tokenizer(vocab_size: int, sources: tuple[str, ...]):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / rel).read_text(encoding="utf-8") for rel in TOKENIZER_SOURCES if (stdlib / rel).is_file()]
+    texts = [(stdlib / rel).read_text(encoding="utf-8") for rel in sources if (stdlib / rel).is_file()]
     return as_hf_tokenizer(train_byte_level_bpe(texts, vocab_size), model_max_length=2048)
 
 
 def build_standins(root: Path, *, tiny: bool = False, seed: int = 0) -> dict[str, Path]:
     """Write target + minions under `root`; returns {'target': path, minion name: path}."""
     spec: FamilySpec = QUICK if tiny else FULL
-    tokenizer = _tokenizer(spec.vocab_size)
+    tokenizer = _tokenizer(spec.vocab_size, TOKENIZER_SOURCES[1:2] if tiny else TOKENIZER_SOURCES)
     # The tokenizer may come out a little smaller than asked; the models keep the spec's
     # vocabulary (ids past the tokenizer's are simply never produced by it).
     bos = eos = tokenizer.eos_token_id

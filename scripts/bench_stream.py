@@ -149,25 +149,86 @@ def h2d_check(ram: Runner, passes: int, rounds: int) -> dict:
     return {"h2d_peak_gbps": round(peak, 2), "h2d_achieved_gbps": round(got, 2), "h2d_efficiency": round(got / peak, 3)}
 
 
+def pass_times(runners: list[Runner], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per pass by tree size; the methods interleaved, so load hits all alike."""
+    times: dict[str, dict[int, float]] = {r.name: {} for r in runners}
+    for size in sizes:
+        samples: dict[str, list[float]] = {r.name: [] for r in runners}
+        for r in runners:
+            r.pass_(size)  # warm this shape
+        for _ in range(repeats):
+            for r in runners:
+                samples[r.name].append(r.pass_(size))
+        for name, xs in samples.items():
+            times[name][size] = statistics.median(xs)
+    return times
+
+
+def synthetic(args, passes: int, rounds: int, repeats: int, sizes: list[int]) -> None:
+    """A random-weight target of a real shape, streamed from (pinned) RAM: the pass-time
+    curve a profile depends on, and on CUDA the RAM tier's copy speed vs memcpy peak."""
+    from minions_local.offload.synthetic import synthetic_streamed_causal_lm
+
+    dtype = resolve_dtype(args.dtype or "bfloat16", Path("."))
+    quant = args.quant or "int4"
+    model, stats = synthetic_streamed_causal_lm(args.synthetic, layers=args.layers, quant=quant, dtype=dtype,
+                                                device=args.device, buffers=args.buffers, readers=args.readers)
+    ram = Runner("ram", model, stats, args.device)
+    ram.pass_(1)
+    h2d = h2d_check(ram, passes, rounds) if args.device.startswith("cuda") else {}
+    times = pass_times([ram], sizes, repeats)
+    result = {
+        "bench": "stream-synthetic",
+        "shape": args.synthetic,
+        "layers": len(model.model.layers),
+        "dtype": str(dtype).removeprefix("torch."),
+        "quant": quant,
+        "buffers": args.buffers,
+        "bytes_per_pass": stats.bytes_per_pass,
+        **h2d,
+        "pass_ms": {"ram": {str(k): round(v * 1e3, 2) for k, v in times["ram"].items()}},
+        "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(f"synthetic {args.synthetic}: {result['layers']} layers, {quant}, {dtype}, "
+          f"{stats.bytes_per_pass / 1e9:.2f} GB streamed per pass from RAM to {result['device']}")
+    if h2d:
+        print(f"pinned RAM -> GPU: peak {h2d['h2d_peak_gbps']} GB/s, achieved {h2d['h2d_achieved_gbps']} GB/s, "
+              f"efficiency {h2d['h2d_efficiency']}")
+    print(f"{'tree size':>9} {'ms/pass':>10}")
+    for size in sizes:
+        print(f"{size:>9} {result['pass_ms']['ram'][str(size)]:>10.2f}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and repeats (~1 min)")
     ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: the demo target)")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
-    ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
+                    help="streamed-layer storage (default: none; int4 with --synthetic)")
     ap.add_argument("--buffers", type=int, default=4, help="layer buffers (read-ahead depth); 4 suits the CPU disk tier")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
     ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda (adds the pinned-RAM -> GPU check)")
     ap.add_argument("--readers", type=int, default=None, help="disk-tier reader threads (default: max(2, buffers))")
+    ap.add_argument("--synthetic", default=None, choices=["llama-70b", "llama-8b", "demo"],
+                    help="time a random-weight target of this shape streamed from RAM (no checkpoint, no disk)")
+    ap.add_argument("--layers", type=int, default=None, help="with --synthetic: decoder layers (default: the shape's)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 when the machine is already busy, else torch's default)")
     args = ap.parse_args()
     args.readers = args.readers or max(2, args.buffers)
+    if args.synthetic is None:
+        args.quant = args.quant or "none"
     busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
     # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md).
     torch.set_num_threads(args.threads or (1 if busy else torch.get_num_threads()))
     rounds, passes, repeats = (3, 8, 3) if args.quick else (7, 20, 5)
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    if args.synthetic:
+        return synthetic(args, passes, rounds, repeats, sizes)
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     try:
         model_path = args.model or (DEMO_TARGET if (DEMO_TARGET / "config.json").exists() else None)
@@ -217,17 +278,7 @@ def main() -> None:
 
         h2d = h2d_check(runners[1], passes, rounds) if dev.startswith("cuda") else {}
 
-        # 3: pass time by tree size, methods interleaved
-        times: dict[str, dict[int, float]] = {r.name: {} for r in runners}
-        for size in sizes:
-            samples: dict[str, list[float]] = {r.name: [] for r in runners}
-            for r in runners:
-                r.pass_(size)  # warm this shape
-            for _ in range(repeats):
-                for r in runners:
-                    samples[r.name].append(r.pass_(size))
-            for name, xs in samples.items():
-                times[name][size] = statistics.median(xs)
+        times = pass_times(runners, sizes, repeats)
 
         result = {
             "bench": "stream",

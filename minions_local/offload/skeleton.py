@@ -66,7 +66,7 @@ def load_resident_parts(model: nn.Module, ckpt: Checkpoint, prefix: str, device:
         _set_parameter(model, name, value)
         placed += value.numel() * value.element_size()
     _tie_output_embeddings(model, missing, ckpt)
-    _rebuild_meta_buffers(model, ckpt, prefix, device)
+    rebuild_meta_buffers(model, ckpt, prefix, device)
     return placed
 
 
@@ -84,7 +84,7 @@ def _tie_output_embeddings(model: nn.Module, missing: list[str], ckpt: Checkpoin
     raise ModelLoadError(f"{ckpt.folder} lacks {missing[:3]}; the checkpoint does not match its config.json.")
 
 
-def _rebuild_meta_buffers(model: nn.Module, ckpt: Checkpoint, prefix: str, device: torch.device) -> None:
+def rebuild_meta_buffers(model: nn.Module, ckpt: Checkpoint | None, prefix: str, device: torch.device) -> None:
     """Rotary tables are computed, not stored: re-create their modules for real."""
     for mod_name, module in list(model.named_modules()):
         if mod_name.startswith(prefix + ".") or not any(b.is_meta for b in module.buffers(recurse=False)):
@@ -97,6 +97,6 @@ def _rebuild_meta_buffers(model: nn.Module, ckpt: Checkpoint, prefix: str, devic
         for attr, buf in list(module._buffers.items()):
             key = f"{mod_name}.{attr}"
             if buf is not None and buf.is_meta:
-                if key not in ckpt:
-                    raise ModelLoadError(f"{ckpt.folder}: buffer {key} is neither stored nor recomputable; unsupported architecture.")
+                if ckpt is None or key not in ckpt:
+                    raise ModelLoadError(f"buffer {key} is neither stored nor recomputable; unsupported architecture.")
                 module._buffers[attr] = ckpt.get(key).to(device)

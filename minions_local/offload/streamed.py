@@ -132,16 +132,25 @@ def load_streamed_causal_lm(
         ckpt.close()
 
     if sources:
-        store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
-                           readers=readers if readers is not None else max(2, buffers))
-        for j, i in enumerate(streamed):
-            _StreamedLayer(layers[i], j, store, scratch, dtype, device)
-        model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())
-        weakref.finalize(model, store.close)
-        model._minions_layer_store = store  # keeps the pipeline alive with the model
+        install_streaming(model, [layers[i] for i in streamed], sources, scratch=scratch, device=device,
+                          dtype=dtype, buffers=buffers, readers=readers, stats=stats)
     model.eval()
     model.requires_grad_(False)
     return model, stats
+
+
+def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[RamSource | DiskSource], *,
+                      scratch: _Scratch, device: torch.device, dtype: torch.dtype, buffers: int,
+                      readers: int | None, stats: StreamStats) -> LayerStore:
+    """Make `layers` (in execution order) take their weights from `sources` on each call."""
+    store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
+                       readers=readers if readers is not None else max(2, buffers))
+    for j, layer in enumerate(layers):
+        _StreamedLayer(layer, j, store, scratch, dtype, device)
+    model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())
+    weakref.finalize(model, store.close)
+    model._minions_layer_store = store  # keeps the pipeline alive with the model
+    return store
 
 
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}

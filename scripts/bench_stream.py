@@ -1,14 +1,16 @@
 """How fast does the target stream, and what does a pass cost by tree size?
 
     python scripts/bench_stream.py [--quick] [--model PATH] [--dtype bfloat16] [--quant int4]
+    python scripts/bench_stream.py --synthetic llama-70b --device cuda   # GPU box: no checkpoint needed
 
 In one run:
 1. raw: sequential O_DIRECT read of the disk tier's pack files (page cache bypassed,
-   nothing overlapped) -- the yardstick;
+   nothing overlapped), by 1 thread and by as many threads as the streamer uses; the
+   better of the two is the yardstick;
 2. achieved: bytes streamed / wall time over back-to-back full target passes from the
-   disk tier (tree size 1, compute overlapped with the reads);
-   stream_efficiency = achieved / raw, from interleaved rounds (raw, stream, raw, ...)
-   so that a shared, noisy disk affects both alike (median of per-round ratios);
+   disk tier (tree size 1, compute overlapped with the reads, pipeline starting empty);
+   stream_efficiency = achieved / raw. Short rounds alternate the three (order rotating)
+   so that other processes' disk traffic hits all alike; the ratio is of totals;
 3. pass time for tree sizes 1, 2, 4, ..., 256: resident vs RAM tier vs disk tier,
    interleaved per size.
 
@@ -109,15 +111,14 @@ def checkpoint_params(folder: Path) -> int:
     return sum(math.prod(ckpt.shape(name)) for name in ckpt.names())
 
 
-def raw_read_gbps(files: list[Path], buffers: list[torch.Tensor]) -> float:
-    """O_DIRECT read of all files in order, by len(buffers) threads (see read_files_direct)."""
-    t0 = time.perf_counter()
-    n = read_files_direct(files, buffers)
-    return n / (time.perf_counter() - t0) / 1e9
-
-
 def streamed_gbps(runner: Runner, passes: int) -> tuple[float, float]:
-    """(GB/s achieved, seconds waiting per pass) over back-to-back tree-size-1 passes.
+    """(GB/s achieved, seconds waiting per pass) over back-to-back tree-size-1 passes."""
+    n, t, w = streamed_run(runner, passes)
+    return n / t / 1e9, w / passes
+
+
+def streamed_run(runner: Runner, passes: int) -> tuple[int, float, float]:
+    """(bytes streamed, seconds, seconds waiting) of back-to-back tree-size-1 passes.
 
     The pipeline starts empty (nothing prefetched before the clock starts), so the
     figure includes one pipeline fill: pessimistic by ~1 layer's read per `passes`.
@@ -128,7 +129,7 @@ def streamed_gbps(runner: Runner, passes: int) -> tuple[float, float]:
     for _ in range(passes):
         runner.pass_(1)
     dt = time.perf_counter() - t0
-    return (runner.stats.bytes_streamed - b0) / dt / 1e9, (runner.stats.seconds_waiting - w0) / passes
+    return runner.stats.bytes_streamed - b0, dt, runner.stats.seconds_waiting - w0
 
 
 def h2d_check(ram: Runner, passes: int, rounds: int) -> dict:
@@ -225,7 +226,7 @@ def main() -> None:
     busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
     # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md).
     torch.set_num_threads(args.threads or (1 if busy else torch.get_num_threads()))
-    rounds, passes, repeats = (3, 8, 3) if args.quick else (7, 20, 5)
+    rounds, passes, repeats = (9, 4, 3) if args.quick else (24, 4, 5)
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if args.synthetic:
         return synthetic(args, passes, rounds, repeats, sizes)
@@ -255,26 +256,30 @@ def main() -> None:
         one = [aligned_empty(16 << 20)]
         many = [aligned_empty(16 << 20) for _ in range(max(1, args.readers))]
 
-        def raw() -> tuple[float, float]:
-            # the same bytes the streaming run moves: every pack, `passes` times
-            return raw_read_gbps(packs * passes, one), raw_read_gbps(packs * passes, many)
-
-        # 1 + 2: raw vs achieved, interleaved
+        # 1 + 2: raw vs achieved, alternated in short rounds (order rotating) so that
+        # other processes' disk traffic hits all three alike; totals, not medians.
         for r in runners:
             r.pass_(1)  # warm up kernels; also the disk pipeline's first read + checksum
-        raw_seq, raw_par, yardstick, achieved, ratios, waits = [], [], [], [], [], []
-        for _ in range(rounds):
-            a_seq, a_par = raw()
-            s, w = streamed_gbps(disk, passes)
-            b_seq, b_par = raw()
-            raw_seq += [a_seq, b_seq]
-            raw_par += [a_par, b_par]
-            # The yardstick is the better read pattern, measured just before and after.
-            best = max((a_seq + b_seq) / 2, (a_par + b_par) / 2)
-            yardstick.append(best)
-            achieved.append(s)
-            waits.append(w)
-            ratios.append(s / best)
+        chunk = packs * passes  # the bytes one stream round moves
+        secs = {"seq": 0.0, "par": 0.0, "stream": 0.0}
+        moved = {"seq": 0, "par": 0, "stream": 0}
+        ratios, waits = [], []
+        for i in range(rounds):
+            this: dict[str, float] = {}
+            for what in ("seq", "par", "stream")[i % 3:] + ("seq", "par", "stream")[: i % 3]:
+                if what == "stream":
+                    n, t, w = streamed_run(disk, passes)
+                    waits.append(w / passes)
+                else:
+                    t0 = time.perf_counter()
+                    n = read_files_direct(chunk, one if what == "seq" else many)
+                    t = time.perf_counter() - t0
+                secs[what] += t
+                moved[what] += n
+                this[what] = n / t
+            ratios.append(this["stream"] / max(this["seq"], this["par"]))
+        gbps = {k: moved[k] / secs[k] / 1e9 for k in secs}
+        yardstick = max(gbps["seq"], gbps["par"])
 
         h2d = h2d_check(runners[1], passes, rounds) if dev.startswith("cuda") else {}
 
@@ -291,19 +296,18 @@ def main() -> None:
             "bytes_per_pass": disk_stats.bytes_per_pass,
             "read_mode": disk_stats.read_mode,
             "readers": args.readers,
-            "raw_read_gbps": round(statistics.median(yardstick), 3),
-            "raw_read_gbps_range": [round(min(yardstick), 3), round(max(yardstick), 3)],
-            "raw_sequential_gbps": round(statistics.median(raw_seq), 3),
-            "raw_parallel_gbps": round(statistics.median(raw_par), 3),
-            "achieved_gbps": round(statistics.median(achieved), 3),
-            "achieved_gbps_range": [round(min(achieved), 3), round(max(achieved), 3)],
-            "stream_efficiency": round(statistics.median(ratios), 3),
-            "stream_efficiency_rounds": [round(x, 3) for x in ratios],
+            "rounds": rounds,
+            "raw_read_gbps": round(yardstick, 3),
+            "raw_sequential_gbps": round(gbps["seq"], 3),
+            "raw_parallel_gbps": round(gbps["par"], 3),
+            "achieved_gbps": round(gbps["stream"], 3),
+            "stream_efficiency": round(gbps["stream"] / yardstick, 3),
+            "stream_efficiency_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
             "wait_ms_per_pass": round(1e3 * statistics.median(waits), 2),
-            "stream_pass_ms": round(1e3 * disk_stats.bytes_per_pass / 1e9 / statistics.median(achieved), 2),
+            "stream_pass_ms": round(1e3 * disk_stats.bytes_per_pass / 1e9 / gbps["stream"], 2),
             # read-bound when compute waited on reads for a real share of the pass; a
             # compute-bound pass says nothing about the streaming (efficiency < 1 by design)
-            "bound": "read" if statistics.median(waits) * statistics.median(achieved) * 1e9
+            "bound": "read" if statistics.median(waits) * gbps["stream"] * 1e9
                      > 0.2 * disk_stats.bytes_per_pass else "compute",
             "pass_ms": {name: {str(k): round(v * 1e3, 2) for k, v in t.items()} for name, t in times.items()},
             **h2d,
@@ -320,11 +324,11 @@ def main() -> None:
 def print_table(res: dict, sizes: list[int]) -> None:
     print(f"model: {res['model']}  ({res['params'] / 1e6:.1f}M params, {res['dtype']}, quant={res['quant']}, "
           f"{res['bytes_per_pass'] / 1e6:.1f} MB streamed per pass, read mode {res['read_mode']})")
-    print(f"raw O_DIRECT read   {res['raw_read_gbps']:6.3f} GB/s  (range {res['raw_read_gbps_range']}; "
-          f"1 thread {res['raw_sequential_gbps']}, {res['readers']} threads {res['raw_parallel_gbps']})")
-    print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  (range {res['achieved_gbps_range']})")
-    print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per round {res['stream_efficiency_rounds']}; "
-          f"passes are {res['bound']}-bound, {res['stream_pass_ms']} ms each)")
+    print(f"raw O_DIRECT read   {res['raw_read_gbps']:6.3f} GB/s  (the better of 1 thread "
+          f"{res['raw_sequential_gbps']} and {res['readers']} threads {res['raw_parallel_gbps']})")
+    print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  ({res['rounds']} rounds alternating with the raw reads)")
+    print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per-round quartiles "
+          f"{res['stream_efficiency_round_quartiles']}; passes are {res['bound']}-bound, {res['stream_pass_ms']} ms each)")
     if "h2d_peak_gbps" in res:
         print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
               f"GB/s, efficiency {res['h2d_efficiency']}")

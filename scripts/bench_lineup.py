@@ -81,7 +81,7 @@ class Lineup:
             dtype = DTYPES[name]
             offload = HF_OFFLOAD_DIR / f"{self.target.name}-{name}" if self.tier == "disk" else None
             model = load_hf(self.target, dtype, offload_folder=offload)
-            drop = page_cache_dropper(offload) if offload else None
+            drop = page_cache_dropper(offload, self.target) if offload else None
             where = ", accelerate disk offload" if offload else ""
             plain += self._threads(HFMethod("hf greedy", model, 1, eos_id=eos, detail=f"{name}{where}",
                                             before_pass=drop))

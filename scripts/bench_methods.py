@@ -141,11 +141,13 @@ def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = Non
     return model.eval()
 
 
-def page_cache_dropper(folder: Path):
-    """A callable that evicts `folder`'s files from the page cache: called before each
-    target pass so accelerate reads its offloaded layers from disk, as our disk tier
-    does (O_DIRECT), instead of from RAM."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+def page_cache_dropper(*folders: Path):
+    """A callable that evicts the folders' weight files from the page cache. Called
+    before each target pass so accelerate reads its offloaded layers from disk, as our
+    disk tier does (O_DIRECT), instead of from RAM. accelerate offloads a safetensors
+    checkpoint by pointing at the checkpoint's own files (the offload folder stays
+    empty), so the checkpoint folder is one of the folders."""
+    files = sorted(p for folder in folders for pattern in ("*.safetensors", "*.dat") for p in folder.rglob(pattern))
 
     def drop() -> None:
         for path in files:

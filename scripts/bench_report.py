@@ -187,7 +187,7 @@ def write_plot(path: Path, summary: dict[str, dict[str, Summary]], methods: list
     return path
 
 
-def as_json(summary: dict[str, dict[str, Summary]], methods: list[Method]) -> dict[str, dict]:
+def as_json(summary: dict[str, dict[str, Summary]], methods: list[Method], best_hf: str | None) -> dict[str, dict]:
     out = {}
     for m in methods:
         entry: dict = {"family": m.family, "threads": m.threads, "chosen": m.detail}
@@ -197,5 +197,7 @@ def as_json(summary: dict[str, dict[str, Summary]], methods: list[Method]) -> di
                            "seconds": round(s.seconds, 3), "passes": s.passes}
             if s.greedy_identical is not None:
                 entry[mode]["greedy_identical"] = round(s.greedy_identical, 3)
+            if best_hf and mode in summary[best_hf]:
+                entry[mode]["vs_best_transformers"] = round(s.vs_baseline / summary[best_hf][mode].vs_baseline, 3)
         out[m.name] = entry
     return out

@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plot = report.write_plot(args.out / f"bench-{args.tier}{'-quick' if args.quick else ''}.png", summary, methods,
                              accepted, title)
+    splits = {m.name: report.time_split([r[m.name] for r in rounds]) for m in methods
+              if m.family in ("autoregressive", "chain", "fixed", "adaptive")}
+    print("where our engine's time goes (share of wall time; ms per pass = grow + verify):")
+    for name, split in splits.items():
+        print(f"  {name:<28} " + ", ".join(f"{k} {v}" for k, v in split.items()))
     for key, check in goals.items():
         state = {True: "PASS", False: "FAIL", None: "n/a"}[check["passed"]]
         print(f"goal {key}: {check['value']} (goal {check['goal']}) {state}")
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": modes, "temperature": TEMPERATURE, "methods": report.as_json(summary, methods, best_hf),
         "best_transformers": goals["ram_vs_best_transformers"].get("best_transformers"),
         "best_fixed": goals["adaptive_vs_best_fixed"].get("best_fixed"),
-        "prediction_error": errors, "accepted_histogram": _histogram(accepted), "goals": goals,
+        "prediction_error": errors, "time_split": splits, "accepted_histogram": _histogram(accepted), "goals": goals,
         "notes": lineup.notes, "plot": str(plot), "seconds": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
     }

@@ -40,6 +40,8 @@ class Run:
     """Target forward passes that produced tokens (the prompt-only prefill of our engine is not one)."""
     steps: list[StepRecord] = field(default_factory=list)
     """Our engine's step records (empty for other methods)."""
+    prefill_seconds: float = 0.0
+    """Our engine's prompt pass (0 for other methods: they cannot report it apart)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,7 +81,7 @@ class EngineMethod(Method):
         start = time.perf_counter()
         out = self.engine.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
         seconds = time.perf_counter() - start
-        return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps))
+        return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps), out.prefill_seconds)
 
 
 def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy) -> Engine:

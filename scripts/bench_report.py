@@ -91,6 +91,22 @@ def prediction_errors(runs: list[Run]) -> dict[str, float | None]:
     return {"step": pick(step), "verify": pick(verify), "grow": pick(grow), "steps": len(step)}
 
 
+def time_split(runs: list[Run]) -> dict[str, float]:
+    """Where an engine method's wall time went: shares of grow, verify, prefill and the
+    rest (the decode loop's own Python: accept, commit, bookkeeping), and its mean tree."""
+    wall = sum(r.seconds for r in runs)
+    grow = sum(s.t_grow for r in runs for s in r.steps)
+    verify = sum(s.t_verify for r in runs for s in r.steps)
+    prefill = sum(r.prefill_seconds for r in runs)
+    steps = [s for r in runs for s in r.steps]
+    share = lambda x: round(x / wall, 3) if wall > 0 else 0.0  # noqa: E731
+    return {"grow": share(grow), "verify": share(verify), "prefill": share(prefill),
+            "other": share(wall - grow - verify - prefill),
+            "ms_per_pass": round(1000 * (grow + verify) / len(steps), 2) if steps else 0.0,
+            "verify_ms_per_pass": round(1000 * verify / len(steps), 2) if steps else 0.0,
+            "mean_tree": round(sum(s.tree_size for s in steps) / len(steps), 1) if steps else 0.0}
+
+
 def goal_checks(tier: str, summary: dict[str, dict[str, Summary]], methods: list[Method],
                 errors: dict[str, float | None]) -> dict[str, dict]:
     """Each goal: its value, the threshold, and whether it passed (None = not applicable here)."""

@@ -76,9 +76,9 @@ def load_streamed_causal_lm(
         progress: called with `LoadProgress` while layers are packed and placed.
         readers: reader threads of the disk tier (default: max(2, buffers)); each layer
             is read as this many concurrent range reads, so the disk always has queued
-            requests while a finished reader waits to be scheduled. On the 2-core CPU box
-            buffers=4 (with 4 readers) streamed at ~0.98 of the raw read speed vs ~0.73
-            with buffers=2 (scripts/bench_stream.py).
+            requests while a finished reader waits to be scheduled. On the shared 2-core
+            CPU box, buffers=4 (so 4 readers) kept the disk busiest
+            (scripts/bench_stream.py measures it).
         attn_implementation: passed to transformers ('sdpa' like the resident loader;
             'eager' needs additive float masks).
 

@@ -59,3 +59,15 @@ def test_quantized_streaming_matches_dequantized_reference(qwen, tmp_path, quant
         assert max_diff(got, plain) > 1e-4  # really quantized
     fp32_three_layers = full * 3 / 4  # the mixed plan streams 3 of the 4 layers
     assert stats.bytes_per_pass / fp32_three_layers < {"int8": 0.3, "int4": 0.16}[quant]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_detour_gives_the_same_bits_as_the_16bit_path(mode, dtype):
+    """CPU dequantizes through float32, CUDA in place: both must give identical weights."""
+    from minions_local.offload.quant import _dequantize_into
+
+    pieces = quantize_weight(torch.randn(64, 256) * 0.05, mode, dtype)
+    direct = _dequantize_into(pieces["q"], pieces["scale"].to(dtype), mode, torch.empty(64, 256, dtype=dtype))
+    detour = dequantize(pieces["q"], pieces["scale"], mode, torch.empty(64, 256, dtype=dtype))
+    assert torch.equal(direct, detour)

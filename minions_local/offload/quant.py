@@ -60,13 +60,23 @@ def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str,
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
     """Write the weight that `quantize_weight` stands for into `out` ([out, in], compute dtype).
 
-    Works in place in `out` (no temporaries the size of the weight): the integers are
-    converted while being stored, then shifted and scaled. Every step is exact except
-    the one rounding of the final multiply, in the compute dtype.
+    Every step is exact except the one rounding of the final multiply (the integer times
+    the scale fits a float32 exactly), so computing in float32 and storing in a 16-bit
+    dtype gives the same bits as computing in that dtype. CPUs lack fast 16-bit
+    elementwise kernels, so there the work goes through a float32 temporary; elsewhere
+    it is done in place in `out`.
     """
+    if out.dtype != torch.float32 and out.device.type == "cpu":
+        tmp = torch.empty(out.shape, dtype=torch.float32)
+        _dequantize_into(q, scale.to(torch.float32), mode, tmp)
+        return out.copy_(tmp)
+    return _dequantize_into(q, scale.to(out.dtype), mode, out)
+
+
+def _dequantize_into(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
     if mode == "int8":
         out.copy_(q)
-        out.mul_(scale.to(out.dtype)[:, None])
+        out.mul_(scale[:, None])
         return out
     if mode == "int4":
         out_f = out.shape[0]
@@ -74,8 +84,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tenso
         pairs = out.view(out_f, -1, 2)
         pairs[..., 0] = q & 0x0F
         pairs[..., 1] = q >> 4
-        grouped = out.view(out_f, n_groups, -1)
-        grouped.sub_(8).mul_(scale.to(out.dtype)[..., None])
+        out.view(out_f, n_groups, -1).sub_(8).mul_(scale[..., None])
         return out
     raise ValueError(f"unknown quantization {mode!r}")
 

@@ -213,7 +213,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
     ap.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
                     help="streamed-layer storage (default: none; int4 with --synthetic)")
-    ap.add_argument("--buffers", type=int, default=4, help="layer buffers (read-ahead depth); 4 suits the CPU disk tier")
+    ap.add_argument("--buffers", type=int, default=4,
+                    help="layer buffers (read-ahead depth); 4 suits the CPU disk tier")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
     ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda (adds the pinned-RAM -> GPU check)")
     ap.add_argument("--readers", type=int, default=None, help="disk-tier reader threads (default: max(2, buffers))")
@@ -242,7 +243,8 @@ def main() -> None:
         dtype = resolve_dtype(args.dtype, model_path)
         cache_dir = args.cache_dir or work / "packs"
         dev = args.device
-        common = dict(device=dev, dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir, readers=args.readers)
+        common = dict(device=dev, dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir,
+                      readers=args.readers)
 
         if args.quant == "none":
             resident = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
@@ -329,9 +331,11 @@ def print_table(res: dict, sizes: list[int]) -> None:
           f"{res['bytes_per_pass'] / 1e6:.1f} MB streamed per pass, read mode {res['read_mode']})")
     print(f"raw O_DIRECT read   {res['raw_read_gbps']:6.3f} GB/s  (the better of 1 thread "
           f"{res['raw_sequential_gbps']} and {res['readers']} threads {res['raw_parallel_gbps']})")
-    print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  ({res['rounds']} rounds alternating with the raw reads)")
+    print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  "
+          f"({res['rounds']} rounds alternating with the raw reads)")
     print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per-round quartiles "
-          f"{res['stream_efficiency_round_quartiles']}; passes are {res['bound']}-bound, {res['stream_pass_ms']} ms each)")
+          f"{res['stream_efficiency_round_quartiles']}; passes are {res['bound']}-bound, "
+          f"{res['stream_pass_ms']} ms each)")
     if "h2d_peak_gbps" in res:
         print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
               f"GB/s, efficiency {res['h2d_efficiency']}")

@@ -41,7 +41,9 @@ class Checkpoint:
             try:
                 handle = safe_open(str(file), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
-                raise ModelLoadError(f"cannot read {file}: {e}. The file may be truncated; re-save or re-download it.") from e
+                raise ModelLoadError(
+                    f"cannot read {file}: {e}. The file may be truncated; re-save or re-download it."
+                ) from e
             self._handles[file] = handle
         return handle
 

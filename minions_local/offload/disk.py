@@ -224,7 +224,8 @@ class PackReader:
             self._read(view, start, stop - start)
         except OSError as e:
             if e.errno == errno.EINVAL and self.direct:
-                log.warning("O_DIRECT refused for %s; falling back to buffered reads + fadvise(DONTNEED)", self.pack.path)
+                log.warning("O_DIRECT refused for %s; falling back to buffered reads + fadvise(DONTNEED)",
+                            self.pack.path)
                 os.close(self.fd)
                 self._reopen_buffered()
                 self._read(view, start, stop - start)

@@ -126,7 +126,9 @@ class LayerLayout:
         return cls(pieces, str(data["quant"]), str(data["dtype"]))
 
 
-def _stored_shapes(name: str, shape: tuple[int, ...], quant: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], str]]:
+def _stored_shapes(
+    name: str, shape: tuple[int, ...], quant: str, dtype: torch.dtype
+) -> list[tuple[str, tuple[int, ...], str]]:
     """(role, shape, dtype name) of each piece a parameter of this shape is stored as."""
     probe = torch.empty(shape, device="meta")
     if quant == "none" or not quantizable(name, probe):

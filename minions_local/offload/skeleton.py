@@ -52,7 +52,8 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
 
-def load_resident_parts(model: nn.Module, ckpt: Checkpoint, prefix: str, device: torch.device, dtype: torch.dtype) -> int:
+def load_resident_parts(model: nn.Module, ckpt: Checkpoint, prefix: str, device: torch.device,
+                        dtype: torch.dtype) -> int:
     """Materialize everything outside the decoder layers; returns the bytes placed."""
     placed = 0
     missing = []

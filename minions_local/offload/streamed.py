@@ -196,7 +196,8 @@ def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs
 def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:
     tiers = list(layer_tiers) if layer_tiers is not None else [tier] * n
     if len(tiers) != n:
-        raise MemoryPlanError(f"layer_tiers has {len(tiers)} entries but the model has {n} decoder layers; re-run the planner for this model.")
+        raise MemoryPlanError(f"layer_tiers has {len(tiers)} entries but the model has {n} decoder layers; "
+                              "re-run the planner for this model.")
     bad = sorted({t for t in tiers if t not in TIERS})
     if bad:
         raise MemoryPlanError(f"unknown tier(s) {bad}; each layer's tier must be one of {', '.join(TIERS)}.")
@@ -205,7 +206,8 @@ def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[s
 
 def _layout(ckpt: Checkpoint, prefix: str, i: int, layer: nn.Module, quant: str, dtype: torch.dtype) -> LayerLayout:
     if any(True for _ in layer.buffers()):
-        raise ModelLoadError(f"decoder layer {i} holds buffers; streaming supports layers made of parameters only (Llama, Qwen2, Mistral).")
+        raise ModelLoadError(f"decoder layer {i} holds buffers; streaming supports layers made of parameters "
+                             "only (Llama, Qwen2, Mistral).")
     shapes = {}
     for rel, param in layer.named_parameters():
         key = f"{prefix}.{i}.{rel}"
@@ -213,7 +215,8 @@ def _layout(ckpt: Checkpoint, prefix: str, i: int, layer: nn.Module, quant: str,
             raise ModelLoadError(f"{ckpt.folder} lacks {key}; the checkpoint does not match its config.json.")
         shapes[rel] = ckpt.shape(key)
         if shapes[rel] != tuple(param.shape):
-            raise ModelLoadError(f"{key} has shape {shapes[rel]} in the checkpoint but {tuple(param.shape)} in the config.")
+            raise ModelLoadError(f"{key} has shape {shapes[rel]} in the checkpoint but {tuple(param.shape)} "
+                                 "in the config.")
     return plan_layout(shapes, quant, dtype)
 
 
@@ -307,7 +310,8 @@ def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[Lay
             report.packing(i, layouts[i].nbytes)
             tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
             pack_layer(layouts[i], tensors, payload)
-            packs[i] = write_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], payload=payload, fingerprint=fingerprint)
+            packs[i] = write_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], payload=payload,
+                                  fingerprint=fingerprint)
     for i in packs:
         report.layer(i, "disk", layouts[i].nbytes, f"layer {i} -> disk ({pack_dir})")
     return packs
@@ -344,7 +348,8 @@ def _read_mode(sources: list, stats: StreamStats) -> str:
     disk[0].reader.read_into(probe)  # also checks layer 0's checksum up front
     if all(s.reader.direct for s in disk):
         return "o_direct"
-    msg = "the disk tier's file system refuses O_DIRECT; reading with posix_fadvise(DONTNEED) instead (page cache still dropped)."
+    msg = ("the disk tier's file system refuses O_DIRECT; reading with posix_fadvise(DONTNEED) instead "
+           "(page cache still dropped).")
     log.warning(msg)
     stats.warnings.append(msg)
     return "fadvise"
@@ -400,7 +405,8 @@ def _bindings(layer: nn.Module, layout: LayerLayout, buffer: torch.Tensor, scrat
         if "" in roles:
             out.append(_Binding(params[name], roles[""].view(buffer)))
         else:
-            out.append(_Binding(params[name], scratch_views[name], roles["q"].view(buffer), roles["scale"].view(buffer)))
+            q, scale = roles["q"].view(buffer), roles["scale"].view(buffer)
+            out.append(_Binding(params[name], scratch_views[name], q, scale))
     return out
 
 
@@ -426,7 +432,8 @@ def _empty_parameters(layer: nn.Module, placeholder: torch.Tensor) -> None:
 class _StreamedLayer:
     """Hooks that give a decoder layer its weights from the LayerStore for each call."""
 
-    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: _Scratch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: _Scratch, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.j, self.store, self.layer, self.scratch = j, store, layer, scratch
         self.layout = store.sources[j].layout
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
@@ -452,7 +459,8 @@ class _StreamedLayer:
 class _ResidentPackedLayer:
     """A quantized layer kept on the compute device, dequantized before each call."""
 
-    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: _Scratch, device: torch.device) -> None:
+    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: _Scratch,
+                 device: torch.device) -> None:
         host = aligned_empty(layout.padded_nbytes)
         pack_layer(layout, tensors, host)
         self.packed = host.to(device)

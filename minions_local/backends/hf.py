@@ -36,7 +36,11 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def check_model_folder(path: str | Path, role: str) -> Path:
     """Fail early, with a remedy, on a folder that cannot be a model."""
+    from ..demo import is_demo_path, verify_member
+
     path = Path(path).expanduser()
+    if is_demo_path(path):
+        verify_member(str(path))
     if not path.is_dir():
         raise ModelLoadError(f"The {role} model folder {path} does not exist. Check the path (or the profile's "
                              f"'path' field); a Hugging Face model folder holds config.json and *.safetensors.")

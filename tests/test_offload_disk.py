@@ -123,3 +123,28 @@ def test_streaming_leaves_the_page_cache_empty(llama, tmp_path):
     for pack in packs(tmp_path / "cache"):
         cached, total = cached_pages(pack)
         assert cached == 0, f"{pack}: {cached} of {total} pages in the page cache"
+
+
+def test_disk_filling_up_while_packing_is_named(llama, tmp_path, monkeypatch):
+    real_create = disk._create_file
+
+    class Full:
+        def __init__(self, path):
+            self.f = real_create(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def close(self):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "_create_file", Full)
+    with pytest.raises(MemoryPlanError, match="disk filled up while writing .*layer_0000.pack"):
+        load(llama, tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.tmp"))

@@ -18,8 +18,15 @@ CHAIN_DEPTH = 8  # draft tokens per pass in the chain simulations below
 
 
 def as_shipped(model: PreTrainedModel) -> PreTrainedModel:
-    """An fp32 copy whose weights went through bf16, like the saved files."""
-    shipped = copy.deepcopy(model).to(torch.bfloat16).float()
+    """An fp32 copy whose weights went through bf16, like the saved files.
+
+    Parameters only: ``Module.to(bfloat16)`` would also round the rotary
+    ``inv_freq`` buffer, which is not saved (a reload recomputes it in fp32), and
+    that rounding moves logits by ~0.1 at position 500."""
+    shipped = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in shipped.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
     shipped.eval()
     return shipped
 

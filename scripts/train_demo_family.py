@@ -13,6 +13,7 @@ third-party code, then one JSON line with the same figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -130,9 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the package's demo_models/)")
     parser.add_argument("--quick", action="store_true", help="tiny models and data: a smoke test")
     parser.add_argument("--threads", type=int, default=2, help="torch threads; results depend on it")
+    parser.add_argument(
+        "--steps-scale", type=float, default=1.0, help="train every phase this many times longer (default 1: the shipped run)"
+    )
     args = parser.parse_args(argv)
 
     spec = QUICK if args.quick else FULL
+    if args.steps_scale != 1.0:
+        spec = dataclasses.replace(spec, budget=spec.budget.scaled(args.steps_scale))
     out = args.out or (Path(tempfile.mkdtemp(prefix="demo-family-")) if args.quick else DEFAULT_OUT)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
             for s in (spec.target, *spec.minions)
         },
     }
-    command = "python scripts/train_demo_family.py --seed " + str(args.seed) + (" --quick" if args.quick else "")
+    command = f"python scripts/train_demo_family.py --seed {args.seed} --threads {args.threads}"
+    command += (" --quick" if args.quick else "") + (f" --steps-scale {args.steps_scale}" if args.steps_scale != 1.0 else "")
     demo_release.write_model_card(out, figures, recipe, command)
     manifest = demo_release.write_manifest(out)
     size_mb = manifest["total_bytes"] / 1e6

@@ -131,7 +131,8 @@ def calibrate(groups: list[list[Method]], ids: list[int], max_new: int, repeats:
     return [min(enumerate(group), key=lambda ic: best.get(g * 1000 + ic[0], 0.0))[1] for g, group in enumerate(groups)]
 
 
-def interleaved(methods: list[Method], prompts, modes: list[str], max_new: int, log) -> tuple[list[dict[str, Run]], list[str]]:
+def interleaved(methods: list[Method], prompts, modes: list[str], max_new: int,
+                log) -> tuple[list[dict[str, Run]], list[str]]:
     rounds: list[dict[str, Run]] = []
     round_modes: list[str] = []
     for i, prompt in enumerate(prompts):
@@ -143,8 +144,8 @@ def interleaved(methods: list[Method], prompts, modes: list[str], max_new: int, 
             rounds.append(runs)
             round_modes.append(mode)
             base = runs[report.BASELINE].tokens_per_second
-            log(f"round {len(rounds)} ({prompt.source}, {mode}): baseline {base:.1f} tok/s; "
-                + ", ".join(f"{n} {r.tokens_per_second / base:.2f}x" for n, r in runs.items() if base and n != report.BASELINE))
+            ratios = [f"{n} {r.tokens_per_second / base:.2f}x" for n, r in runs.items() if base and n != report.BASELINE]
+            log(f"round {len(rounds)} ({prompt.source}, {mode}): baseline {base:.1f} tok/s; " + ", ".join(ratios))
     return rounds, round_modes
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bench_methods import EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf, page_cache_dropper
+from bench_methods import (EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf,
+                           page_cache_dropper)
 from minions_local import Engine
 from minions_local.speculation.budget import FixedBudget
 
@@ -57,7 +58,8 @@ class Lineup:
         depth = adaptive_engine.decoder.policy.max_depth if hasattr(adaptive_engine.decoder.policy, "max_depth") else 12
         for nodes in self.fixed_budgets:
             engine = engine_sharing_target(adaptive_engine, minions, FixedBudget(nodes=nodes, depth=depth))
-            groups.append(self._threads(EngineMethod(f"fixed {nodes}", "fixed", engine, 1, f"depth<={depth}, all minions")))
+            method = EngineMethod(f"fixed {nodes}", "fixed", engine, 1, f"depth<={depth}, all minions")
+            groups.append(self._threads(method))
         groups.append(self._threads(EngineMethod("adaptive", "adaptive", adaptive_engine, 1,
                                                  type(adaptive_engine.decoder.policy).__name__)))
         groups += self._llama_cpp()

@@ -163,7 +163,8 @@ def page_cache_dropper(*folders: Path):
 
 
 class LlamaCppMethod(Method):
-    def __init__(self, name: str, gguf: Path, threads: int, *, prompt_lookup: bool, n_ctx: int, detail: str = "") -> None:
+    def __init__(self, name: str, gguf: Path, threads: int, *, prompt_lookup: bool, n_ctx: int,
+                 detail: str = "") -> None:
         super().__init__(name, "llama.cpp", threads, detail)
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

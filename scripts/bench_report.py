@@ -208,7 +208,8 @@ def as_json(summary: dict[str, dict[str, Summary]], methods: list[Method], best_
     for m in methods:
         entry: dict = {"family": m.family, "threads": m.threads, "chosen": m.detail}
         for mode, s in summary[m.name].items():
-            entry[mode] = {"tokens_per_s": round(s.tokens_per_second, 2), "tokens_per_pass": round(s.tokens_per_pass, 3),
+            entry[mode] = {"tokens_per_s": round(s.tokens_per_second, 2),
+                           "tokens_per_pass": round(s.tokens_per_pass, 3),
                            "vs_autoregressive": round(s.vs_baseline, 3), "tokens": s.tokens,
                            "seconds": round(s.seconds, 3), "passes": s.passes}
             if s.greedy_identical is not None:

@@ -47,7 +47,7 @@ def load_streamed_causal_lm(
     path: str | os.PathLike,
     *,
     tier: str = "ram",
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     layer_tiers: Sequence[str] | None = None,
     quant: str = "none",

@@ -58,7 +58,10 @@ def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, t
     if text == "ngram" or text.startswith("ngram:"):
         from .backends.ngram import NGramMinion
 
-        return NGramMinion.from_spec(text)
+        encode = None
+        if target_tokenizer is not None:
+            encode = lambda s: target_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+        return NGramMinion.from_spec(text, encode=encode)
     if text.endswith(".gguf"):
         from .backends.gguf import GGUFMinion
 

@@ -222,14 +222,16 @@ def main() -> None:
                     help="time a random-weight target of this shape streamed from RAM (no checkpoint, no disk)")
     ap.add_argument("--layers", type=int, default=None, help="with --synthetic: decoder layers (default: the shape's)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: 1 when the machine is already busy, else torch's default)")
+                    help="torch threads (default: 1 on a busy or 2-core machine, else torch's default)")
     args = ap.parse_args()
     args.readers = args.readers or max(2, args.buffers)
     if args.synthetic is None:
         args.quant = args.quant or "none"
-    busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
-    # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md).
-    torch.set_num_threads(args.threads or (1 if busy else torch.get_num_threads()))
+    cores = os.cpu_count() or 1
+    busy = os.getloadavg()[0] >= cores / 2
+    # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md),
+    # and load comes and goes during a run: on a small or busy box, one thread.
+    torch.set_num_threads(args.threads or (1 if busy or cores <= 2 else torch.get_num_threads()))
     rounds, passes, repeats = (9, 4, 3) if args.quick else (24, 4, 5)
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if args.synthetic:

@@ -481,3 +481,14 @@ async def test_ctrl_c_copies_a_selection_instead_of_quitting(tmp_path):
         await pilot.press("ctrl+c")
         assert app.is_running
         assert app.clipboard == "some text"
+
+
+async def test_a_blank_reply_is_still_the_models_turn(tmp_path):
+    engine = FakeEngine(reply="\n\n\n")
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        await send(pilot, "hm")
+        await send(pilot, "again")
+        roles = [m["role"] for m in engine.calls[-1]["messages"]]
+        assert roles == ["user", "assistant", "user"]

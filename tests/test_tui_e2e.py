@@ -59,15 +59,16 @@ async def test_chat_on_demo_profile(need_demo, tmp_path):
     async with app.run_test(size=(130, 40)) as pilot:
         await until(pilot, lambda: app.engine is not None or app._load_failed, timeout=300)
         assert app.engine is not None, "the demo profile failed to load"
-        await send(pilot, "def add(a, b):")
+        await send(pilot, "Write a function that returns the sum of a list.")
         await until(pilot, lambda: not app.generating, timeout=300)
         reply = app.query(AssistantMessage).last()
-        assert reply.text.strip()
         stats = app.query_one(StatsPanel).stats
         assert stats.passes >= 1 and stats.new_tokens >= 1
+        assert "tok/pass" in str(reply.footer.content)
         assert app.query_one(TreePanel).snapshot is not None
-        await send(pilot, "and subtract?")
-        assert app.conversation.messages[-1]["role"] == "assistant"
+        await send(pilot, "And the product?")
+        roles = [m["role"] for m in app.conversation.messages]
+        assert roles == ["user", "assistant", "user", "assistant"]
 
 
 def test_plain_pipe_on_demo_profile(need_demo):

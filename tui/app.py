@@ -342,9 +342,10 @@ class ChatApp(SlashCommands, App[None]):
             panel.memory = message.memory
         panel.show(stats, title="Last reply")
         text = message.text
-        if text.strip():
+        if text.strip() or message.reason not in ("cancelled", "error"):
+            # Even a blank reply is the model's turn: the next prompt must contain it.
             self.conversation.messages.append({"role": "assistant", "content": text})
-        elif message.reason in ("cancelled", "error"):
+        else:
             # Nothing came back: take the question back so it can be edited and resent.
             last = self.conversation.messages.pop()
             if not self.prompt.text:

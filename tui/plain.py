@@ -233,7 +233,7 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
             ),
             io,
         )
-        if outcome.text.strip():
+        if outcome.text.strip() or outcome.reason not in ("cancelled", "error"):
             conversation.messages.append({"role": "assistant", "content": outcome.text})
         else:
             conversation.messages.pop()

@@ -28,6 +28,18 @@ def save_member(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, fold
     )
     shipped.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
+    make_tokenizer_config_portable(folder, tokenizer.chat_template)
+
+
+def make_tokenizer_config_portable(folder: Path, chat_template: str) -> None:
+    """transformers 5 writes the template to chat_template.jinja and names its own
+    backend class; older readers (transformers 4, GGUF converters) look for the
+    template and a ``PreTrainedTokenizerFast`` class in tokenizer_config.json."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = chat_template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def check_reloads(folder: Path, reference: PreTrainedModel, sample: torch.Tensor) -> float:

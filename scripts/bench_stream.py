@@ -312,6 +312,9 @@ def main() -> None:
             "stream_efficiency_round_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
             "wait_ms_per_pass": round(1e3 * statistics.median(waits), 2),
             "stream_pass_ms": round(1e3 * disk_stats.bytes_per_pass / 1e9 / gbps["stream"], 2),
+            # share of a pass's read time (at the raw speed) that compute did not wait for
+            "read_hidden_fraction": round(max(0.0, 1 - statistics.median(waits)
+                                              / (disk_stats.bytes_per_pass / 1e9 / yardstick)), 3),
             # read-bound when compute waited on reads for a real share of the pass; a
             # compute-bound pass says nothing about the streaming (efficiency < 1 by design)
             "bound": "read" if statistics.median(waits) * gbps["stream"] * 1e9
@@ -341,7 +344,8 @@ def print_table(res: dict, sizes: list[int]) -> None:
     if "h2d_peak_gbps" in res:
         print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
               f"GB/s, efficiency {res['h2d_efficiency']}")
-    print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass; load average {res['loadavg_1m']} "
+    print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass ({res['read_hidden_fraction']:.0%} of the "
+          f"read time hidden behind compute); load average {res['loadavg_1m']} "
           f"on {os.cpu_count()} cores (shared machines make every number noisy)")
     print()
     names = list(res["pass_ms"])

@@ -492,3 +492,4 @@ async def test_a_blank_reply_is_still_the_models_turn(tmp_path):
         await send(pilot, "again")
         roles = [m["role"] for m in engine.calls[-1]["messages"]]
         assert roles == ["user", "assistant", "user"]
+        assert app.query(AssistantMessage).last().body.source == "*(only whitespace: 3 line breaks)*"

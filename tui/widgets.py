@@ -144,8 +144,11 @@ class AssistantMessage(Vertical):
                 await self._stream.write(f"\n{FENCE}\n")
             await self._stream.stop()
             self._stream = None
-        if not self.text.strip():
+        if not self.text:
             await self.body.update("*(no text)*")
+        elif not self.text.strip():
+            breaks = self.text.count("\n")
+            await self.body.update(f"*(only whitespace: {breaks} line breaks)*")
         self.footer.update(footer)
         self.add_class("finished")
 

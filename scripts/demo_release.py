@@ -150,6 +150,13 @@ chain of that minion, on the target's own greedy continuation of third-party cod
 All three minions' chains together as one tree: {_num(figures['tree_of_chains_tokens_per_pass'])} tokens
 per target pass on the target's greedy continuations ({_num(figures['tree_of_chains_tokens_per_pass_real_code'])} along real third-party code).
 
+## Limitations
+These are toys sized to train in well under an hour on a busy 2-core CPU: they write
+Python-flavoured text, not answers, and greedy decoding soon falls into repetition
+loops. Loops are easy to predict, so the greedy `tokens/pass` figures flatter the
+minions; the agreement columns, measured along real third-party code, are the honest
+measure. A better family: add `--steps-scale 3` (about three times the wall time).
+
 ## Re-create
 ```
 {command}

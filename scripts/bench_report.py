@@ -74,8 +74,10 @@ def summarize(rounds: list[dict[str, Run]], modes: list[str]) -> dict[str, dict[
 
 
 def prediction_errors(runs: list[Run]) -> dict[str, float | None]:
-    """Median relative error of the policy's predicted step, verify and grow times."""
+    """Median relative error of the policy's predicted step, verify and grow times, and
+    the median predicted/measured ratio of each (which way the cost model is off)."""
     step, verify, grow = [], [], []
+    ratios: dict[str, list[float]] = {"verify": [], "grow": []}
     for run in runs:
         for s in run.steps:
             if s.predicted_t_verify is None or s.predicted_t_grow is None:
@@ -85,10 +87,14 @@ def prediction_errors(runs: list[Run]) -> dict[str, float | None]:
                 step.append(abs(s.predicted_t_verify + s.predicted_t_grow - measured) / measured)
             if s.t_verify > 0:
                 verify.append(abs(s.predicted_t_verify - s.t_verify) / s.t_verify)
+                ratios["verify"].append(s.predicted_t_verify / s.t_verify)
             if s.t_grow > 0 and s.tree_size > 0:
                 grow.append(abs(s.predicted_t_grow - s.t_grow) / s.t_grow)
+                ratios["grow"].append(s.predicted_t_grow / s.t_grow)
     pick = lambda xs: round(median(xs), 4) if xs else None  # noqa: E731
-    return {"step": pick(step), "verify": pick(verify), "grow": pick(grow), "steps": len(step)}
+    return {"step": pick(step), "verify": pick(verify), "grow": pick(grow), "steps": len(step),
+            "verify_predicted_over_measured": pick(ratios["verify"]),
+            "grow_predicted_over_measured": pick(ratios["grow"])}
 
 
 def time_split(runs: list[Run]) -> dict[str, float]:

@@ -138,7 +138,7 @@ async def test_escape_stops_mid_reply_and_keeps_partial(tmp_path):
 
 
 async def test_ctrl_c_stops_then_second_press_quits(tmp_path, monkeypatch):
-    monkeypatch.setattr("minions_local.tui.app.QUIT_WINDOW", 60.0)  # a busy machine may be slow
+    monkeypatch.setattr("minions_local.tui.keys.QUIT_WINDOW", 60.0)  # a busy machine may be slow
     engine = FakeEngine(gate_after=1)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:

@@ -5,7 +5,6 @@ only post the messages of `messages.py`; every widget is touched on the app thre
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,6 @@ from .bridge import (
     deferred,
     drive,
     load_engine,
-    request_stop,
     unexpected,
 )
 from .commands import is_command
@@ -40,6 +38,7 @@ from .messages import (
     StatsUpdated,
 )
 from .screens import ErrorScreen
+from .keys import QUIT_WINDOW, KeyActions
 from .slash import SlashCommands
 from .stats import GenerationStats
 from .store import Conversation, ConversationStore
@@ -54,9 +53,6 @@ from .widgets import (
     TreePanel,
     UserMessage,
 )
-
-QUIT_WINDOW = 2.0
-"""Seconds within which a second Ctrl+C quits."""
 
 LOAD_HINT = (
     "Try another profile with /profile NAME, or fix the paths in the profile file. "
@@ -84,7 +80,7 @@ class ChatOptions:
     cursor_blink: bool = True
 
 
-class ChatApp(SlashCommands, App[None]):
+class ChatApp(SlashCommands, KeyActions, App[None]):
     CSS_PATH = "chat.tcss"
     TITLE = "minions-chat"
     BINDINGS = [
@@ -396,67 +392,3 @@ class ChatApp(SlashCommands, App[None]):
         if action == "scroll_chat":
             return len(self.screen_stack) == 1  # modal screens keep their own paging
         return True
-
-    def action_stop(self) -> None:
-        if self.generating and self._generation is not None:
-            self._generation.cancel()
-            request_stop(self.engine)
-            if self._reply is not None:
-                self._reply.footer.update("stopping after this pass…")
-
-    def action_interrupt(self) -> None:
-        if not self.generating and self._copy_selection():
-            return
-        now = time.monotonic()
-        if now - self._last_interrupt < QUIT_WINDOW:
-            self.action_quit_now()
-            return
-        self._last_interrupt = now
-        if self.generating:
-            self.action_stop()
-            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW)
-        else:
-            self.notify("Press Ctrl+C again (or Ctrl+Q) to quit.", timeout=QUIT_WINDOW)
-
-    def _copy_selection(self) -> bool:
-        """Ctrl+C with text selected (with the mouse, or in the prompt) copies it."""
-        selected = self.screen.get_selected_text()
-        if not selected and self.focused is self.prompt:
-            selected = self.prompt.selected_text
-        if not selected:
-            return False
-        self.copy_to_clipboard(selected)
-        self.screen.clear_selection()
-        self.notify(f"Copied {len(selected)} characters.", timeout=QUIT_WINDOW)
-        return True
-
-    def action_quit_now(self) -> None:
-        if self.generating:
-            request_stop(self.engine)
-            if self._reply is not None and self._reply.text.strip():
-                # The reply's own end will not be seen: keep what streamed so far.
-                self.conversation.messages.append({"role": "assistant", "content": self._reply.text})
-                self._autosave()
-        self.workers.cancel_all()
-        self.exit()
-
-    async def action_quit(self) -> None:
-        self.action_quit_now()
-
-    def action_scroll_chat(self, direction: int) -> None:
-        """Page through the conversation without leaving the prompt; paging back to
-        the end makes the view follow new text again."""
-        if direction < 0:
-            self.chat_log.scroll_page_up(animate=False)
-        else:
-            self.chat_log.scroll_page_down(animate=False)
-
-    def action_toggle_stats(self) -> None:
-        panel = self.query_one(StatsPanel)
-        panel.display = not panel.display
-
-    def action_toggle_tree(self) -> None:
-        panel = self.query_one(TreePanel)
-        panel.display = not panel.display
-        if panel.display:
-            panel.refresh_tree()

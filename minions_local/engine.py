@@ -19,7 +19,7 @@ import torch
 
 from .backends.base import Minion
 from .backends.hf import resolve_dtype
-from .errors import ContextOverflowError, GenerationCancelled, MinionsError
+from .errors import ContextOverflowError, GenerationCancelled, MinionsError, RequestError
 from .events import DoneEvent, Event, Generation, LoadProgress, StepEvent, TokenEvent
 from .loading import context_limit, load_minion, load_target, unique_names
 from .speculation.accept import SamplingParams
@@ -175,9 +175,12 @@ class Engine:
         (context overflow, bad arguments) are raised before any work is done.
         """
         ids = self._prompt_ids(prompt)
-        params = SamplingParams(temperature, top_p, top_k)
+        try:
+            params = SamplingParams(temperature, top_p, top_k)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(ids) + max_new_tokens > self.context_length:
             raise ContextOverflowError(
                 f"The prompt is {len(ids)} tokens and max_new_tokens is {max_new_tokens}: {len(ids) + max_new_tokens}"
@@ -196,7 +199,8 @@ class Engine:
         vocab = self.decoder.target.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the target's vocabulary (0..{vocab - 1})")
+            raise RequestError(f"Prompt token ids {bad[:5]} are outside the target's vocabulary (0..{vocab - 1}); "
+                               f"encode prompts with this model's tokenizer.")
         return ids
 
     def _run(self, ids: list[int], params: SamplingParams, max_new: int, seed: int | None,

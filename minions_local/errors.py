@@ -32,5 +32,9 @@ class MemoryPlanError(MinionsError):
     """The memory budgets cannot hold even the minimum working set."""
 
 
+class RequestError(MinionsError, ValueError):
+    """A generation request that cannot be served as given (bad token ids, bad arguments)."""
+
+
 class GenerationCancelled(MinionsError):
     """Generation was stopped by the caller; the partial output is kept."""

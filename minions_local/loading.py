@@ -46,7 +46,12 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
         target = HFTarget(load_causal_lm(path, "target", dtype, device))
     if progress:
         progress(LoadProgress("target", tier, total, total, "ready"))
-    return target, load_tokenizer(path, "target")
+    tokenizer = load_tokenizer(path, "target")
+    if tokenizer is not None and len(tokenizer) > target.vocab_size:
+        raise ModelLoadError(f"The tokenizer in {path} has {len(tokenizer)} tokens but the model's embedding has "
+                             f"only {target.vocab_size} rows: they do not belong together. Restore the tokenizer "
+                             f"files that came with these weights.")
+    return target, tokenizer
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,

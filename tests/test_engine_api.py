@@ -147,3 +147,20 @@ def test_text_prompt_roundtrip(engine):
     out = engine.generate("def add(a, b):", max_new_tokens=12)
     assert isinstance(out.text, str) and len(out.token_ids) >= 1
     assert out.text == engine.decode([t for t in out.token_ids if t not in engine.eos_ids])
+
+
+def test_bad_requests_are_user_errors(engine):
+    from minions_local.errors import MinionsError
+
+    with pytest.raises(MinionsError, match="outside the target's vocabulary"):
+        engine.generate([5, 10_000], max_new_tokens=3)
+    with pytest.raises(MinionsError, match="top_p"):
+        engine.generate([5], max_new_tokens=3, temperature=1.0, top_p=0.0)
+
+
+def test_tokenizer_larger_than_model_is_refused(tmp_path, tokenizer):
+    from tiny_models import random_model, save, tiny_config
+
+    small = save(random_model(tiny_config("llama", vocab=40), 0), tmp_path / "small", tokenizer)
+    with pytest.raises(ModelLoadError, match="do not belong together"):
+        Engine.from_pretrained(small, [])

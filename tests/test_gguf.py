@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -340,3 +341,34 @@ def test_engine_greedy_identity_with_gguf_and_ngram(tmp_path, bpe_tokenizer):
         assert out.token_ids == reference
         accepted += [s.accepted for s in out.steps]
     assert max(accepted) >= 3  # the GGUF minion's drafts really are accepted
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+@pytest.mark.parametrize("name", ["minion-llama-s", "minion-qwen2-xs", "minion-mistral-m"])
+def test_shipped_demo_minions_export_exactly(tmp_path, name):
+    """The demo family stays exportable: same tokens, f32 logits equal, q8_0 argmax close."""
+    import inspect
+
+    import llama_cpp
+    from transformers import AutoModelForCausalLM
+
+    from minions_local.backends.gguf import GGUFMinion
+
+    src = Path(__file__).resolve().parent.parent / "minions_local" / "demo_models" / name
+    if not (src / "config.json").exists():
+        pytest.skip("the demo family is not in this checkout")
+    # tokenizer.json as saved, which is what the family was trained with. (transformers
+    # 5's AutoTokenizer swaps in Qwen2's own pre-tokenizer regex for a qwen2 folder.)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"))
+    text = inspect.getsource(json.decoder)[:4000]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    f32 = export_gguf(src, tmp_path / "m-f32.gguf", type="f32")
+    assert llama_cpp.Llama(str(f32), vocab_only=True, verbose=False).tokenize(
+        text.encode(), add_bos=False, special=False) == ids
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids[:48]])).logits[0].numpy()
+    assert np.abs(GGUFMinion(f32, kv_type="f32").logits(ids[:48]) - ref).max() < 1e-3
+    q8 = GGUFMinion(export_gguf(src, tmp_path / "m-q8_0.gguf", type="q8_0")).logits(ids[:48])
+    assert (q8.argmax(-1) == ref.argmax(-1)).mean() >= 0.9

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .backends.base import Minion
-from .backends.hf import check_model_folder, load_causal_lm, load_config
+from .backends.hf import check_model_folder, load_causal_lm, load_config, resolve_dtype
 from .backends.hf_minion import HFMinion
 from .backends.hf_target import HFTarget
 from .errors import ModelLoadError, VocabularyMismatchError
@@ -17,6 +18,18 @@ from .text import load_tokenizer
 
 TIERS = ("device", "ram", "disk")
 Progress = Callable[[LoadProgress], None]
+
+
+@dataclass(frozen=True)
+class MinionSpec:
+    """A minion with placement options (what a profile's [[minions]] entry says)."""
+
+    path: str
+    name: str | None = None
+    quantization: str = "none"
+    """'none', or bitsandbytes 'nf4' / 'int8' (pays off on CUDA; works, slowly, on CPU)."""
+    device: str | None = None
+    dtype: str | None = None
 
 
 def _folder_bytes(path: Path) -> int:
@@ -56,10 +69,22 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
                 dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
-    """A minion from a spec: an HF folder, a .gguf file, 'ngram', or a ready Minion object."""
+    """A minion from a spec: an HF folder, a .gguf file, 'ngram', a MinionSpec, or a
+    ready Minion object."""
     if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
         return spec
-    text = str(spec)
+    options = spec if isinstance(spec, MinionSpec) else MinionSpec(str(spec))
+    minion = _load_minion(options, index=index, target_path=target_path, target_tokenizer=target_tokenizer,
+                          target_vocab=target_vocab, dtype=resolve_dtype(options.dtype) or dtype,
+                          device=options.device or device, progress=progress)
+    if options.name:
+        minion.name = options.name
+    return minion
+
+
+def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
+                 dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
+    text = spec.path
     if text == "ngram" or text.startswith("ngram:"):
         from .backends.ngram import NGramMinion
 
@@ -80,7 +105,8 @@ def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, t
     total = _folder_bytes(path)
     if progress:
         progress(LoadProgress(path.name, "device", 0, total, "loading"))
-    minion = HFMinion(load_causal_lm(path, f"minion {index}", dtype, device), name=path.name)
+    model = load_causal_lm(path, f"minion {index}", dtype, device, quantization=spec.quantization)
+    minion = HFMinion(model, name=path.name)
     if progress:
         progress(LoadProgress(path.name, "device", total, total, "ready"))
     return minion

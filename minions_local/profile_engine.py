@@ -33,7 +33,7 @@ def engine_kwargs_from_profile(
     plan = plan_memory(profile)
     kwargs = {
         "target": profile.target.path,
-        "minions": [m.path if m.kind != "ngram" else "ngram" for m in profile.minions],
+        "minions": [minion_spec(m, profile.hardware.device) for m in profile.minions],
         "device": profile.hardware.device,
         "dtype": profile.target.dtype,
         "target_tier": engine_tier(plan),
@@ -46,6 +46,16 @@ def engine_kwargs_from_profile(
     }
     kwargs.update(options)
     return kwargs
+
+
+def minion_spec(minion, device: str) -> Any:
+    """What the loader needs of a profile's minion: its path and placement options."""
+    from .loading import MinionSpec
+
+    if minion.kind == "ngram":
+        return "ngram"
+    return MinionSpec(path=str(minion.path), name=minion.name, quantization=minion.quantization,
+                      device=minion.device or device, dtype=minion.dtype)
 
 
 def engine_tier(plan: MemoryPlan) -> str:

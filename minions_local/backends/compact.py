@@ -125,6 +125,8 @@ def supports(model) -> bool:
     cfg = model.config
     if cfg.model_type not in ("llama", "qwen2", "mistral") or getattr(cfg, "hidden_act", "silu") != "silu":
         return False
+    if getattr(model, "is_quantized", False) or getattr(cfg, "quantization_config", None):
+        return False  # bitsandbytes layers must run their own kernels
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral"):
         return False  # a window needs its own mask rule; transformers handles it
     layer = model.model.layers[0]

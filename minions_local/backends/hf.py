@@ -66,20 +66,45 @@ def load_config(path: Path, role: str):
     return config
 
 
-def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, device: str):
-    """A model ready for tree forwards, in eval mode, without gradients."""
+def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, device: str,
+                   quantization: str = "none"):
+    """A model ready for tree forwards, in eval mode, without gradients.
+
+    quantization 'nf4' / 'int8' stores the weights with bitsandbytes (on `device`)."""
     path = check_model_folder(path, role)
     load_config(path, role)
+    extra = _bitsandbytes_options(quantization, dtype, device, role)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa"
-        )
+            path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa",
+            **extra)
     except Exception as e:  # safetensors/torch raise their own types; all mean "unusable files"
         raise ModelLoadError(f"Could not load the {role} model from {path}: {e}\nThe weights may be damaged or "
                              f"incomplete: restore the folder (re-download, re-export, or for the shipped demo "
                              f"models reinstall minions-local or run scripts/train_demo_family.py).") from None
-    model.to(device).eval().requires_grad_(False)
+    if not extra:
+        model.to(device)
+    model.eval().requires_grad_(False)
     return model
+
+
+def _bitsandbytes_options(quantization: str, dtype: torch.dtype | None, device: str, role: str) -> dict:
+    if quantization in ("none", None):
+        return {}
+    if quantization not in ("nf4", "int8"):
+        raise ModelLoadError(f"Unknown quantization {quantization!r} for the {role}; use none, nf4 or int8.")
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ModelLoadError(f"The {role} asks for {quantization} weights, which need bitsandbytes: "
+                             f"pip install 'minions-local[cuda]' (or set quantization = \"none\").") from None
+    if quantization == "nf4":
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                    bnb_4bit_compute_dtype=dtype or torch.bfloat16)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": config, "device_map": {"": device}}
 
 
 def context_length(config) -> int:

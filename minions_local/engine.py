@@ -61,6 +61,7 @@ class Engine:
         budget: int | str | BudgetPolicy = "adaptive",
         max_depth: int = 8,
         top_k: int = 8,
+        selection: str = "learned",
         threads: int | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         stream_options: dict[str, Any] | None = None,
@@ -74,6 +75,9 @@ class Engine:
             acceptance), or a BudgetPolicy object. `minions=[]` decodes autoregressively.
         max_depth: deepest tree level (for a fixed budget; the adaptive start depth).
         top_k: children each minion considers per expanded node.
+        selection: "learned" (vote weights follow acceptance; a minion whose marginal
+            tokens are not worth its time sits out), "all" (weights learn, all run),
+            "equal" (all run, equal votes).
         threads: torch CPU threads (None keeps torch's default).
         stream_options: passed to the layer streamer when the target is streamed
             (quant, buffers, cache_dir, layer_tiers).
@@ -89,7 +93,7 @@ class Engine:
             for i, spec in enumerate(minions)
         ]
         unique_names(loaded)
-        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k)
+        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k, selection=selection)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
     @classmethod

@@ -60,3 +60,12 @@ def test_cheap_helpful_minion_keeps_running():
     selector = MinionSelector(["a", "b"])
     runs = simulate(selector, 100, quality=[0.5, 0.5], cost=[0.001, 0.001], rng=random.Random(2))
     assert runs == [100, 100]
+
+
+def test_selection_modes():
+    equal = MinionSelector.for_mode(["a", "b"], "equal")
+    simulate(equal, 30, quality=[0.9, 0.0], cost=[0.01, 0.5], rng=random.Random(3))
+    assert equal.weights() == [1.0, 1.0] and equal.choose() == [True, True]
+    everyone = MinionSelector.for_mode(["a", "b"], "all")
+    runs = simulate(everyone, 30, quality=[0.9, 0.0], cost=[0.01, 0.5], rng=random.Random(3))
+    assert runs == [30, 30] and everyone.weights()[1] < 0.5

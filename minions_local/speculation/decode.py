@@ -18,7 +18,7 @@ from ..events import StepRecord, TreeSnapshot
 from .accept import SamplingParams, accept
 from .budget import BudgetPolicy, StepBudget
 from .tree import TokenTree
-from .selection import MinionSelector
+from .selection import MinionSelector, expected_accepted
 from .vote import merge_proposals
 
 
@@ -33,13 +33,13 @@ class StepResult:
 
 class Decoder:
     def __init__(self, target: HFTarget, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
-                 keep_trees: bool = True, select_minions: bool = True) -> None:
+                 keep_trees: bool = True, selection: str = "learned") -> None:
         self.target = target
         self.minions = minions
         self.policy = policy
         self.top_k = top_k
         self.keep_trees = keep_trees
-        self.selector = MinionSelector([m.name for m in minions], adaptive=select_minions)
+        self.selector = MinionSelector.for_mode([m.name for m in minions], selection)
 
     def prefill(self, context: list[int]) -> None:
         """Bring every model's cache up to the prompt (reusing what each already has)."""
@@ -91,12 +91,17 @@ class Decoder:
         grow_budget = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width,
                                  top_k=self.top_k)
         ran = self.selector.choose()
-        proposals: list[CandidateTree | None] = []
-        seconds = []
-        for minion, run in zip(self.minions, ran):
+        proposals: list[CandidateTree | None] = [None] * n
+        seconds = [0.0] * n
+        expected = 0.0
+        for m in self.selector.order():
+            if not ran[m] or not self.selector.still_needed(m, expected):
+                ran[m] = False
+                continue
             start = time.perf_counter()
-            proposals.append(minion.grow(context, grow_budget) if run else None)
-            seconds.append(time.perf_counter() - start)
+            proposals[m] = self.minions[m].grow(context, grow_budget)
+            seconds[m] = time.perf_counter() - start
+            expected = max(expected, expected_accepted(proposals[m]))
         merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
         return merged.select(budget.nodes, budget.depth), ran, seconds
 

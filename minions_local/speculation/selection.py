@@ -16,6 +16,7 @@ steps) so that a minion that becomes useful (a new kind of request) is noticed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .tree import TokenTree
@@ -40,6 +41,11 @@ class MinionStats:
     backoff: int = 4
 
 
+SELECTION_MODES = ("learned", "all", "equal")
+"""learned: weights and skipping learn; all: every minion runs, weights learn;
+equal: every minion runs with the same weight."""
+
+
 @dataclass
 class MinionSelector:
     names: list[str]
@@ -48,14 +54,25 @@ class MinionSelector:
     """Smallest vote weight relative to the best minion: a cold minion can recover."""
     adaptive: bool = True
     """False: every minion runs every step (weights still learn)."""
+    learn_weights: bool = True
+    """False: every minion's vote counts the same (the baseline learned weights must beat)."""
     stats: list[MinionStats] = field(default_factory=list)
     seconds_per_token: float | None = None
+    _deferred: set[int] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def for_mode(cls, names: list[str], mode: str) -> MinionSelector:
+        if mode not in SELECTION_MODES:
+            raise ValueError(f"minion selection must be one of {SELECTION_MODES}, got {mode!r}")
+        return cls(names, adaptive=mode == "learned", learn_weights=mode != "equal")
 
     def __post_init__(self) -> None:
         if not self.stats:
             self.stats = [MinionStats() for _ in self.names]
 
     def weights(self) -> list[float]:
+        if not self.learn_weights:
+            return [1.0] * len(self.stats)
         best = max((s.record for s in self.stats), default=1.0) or 1.0
         return [max(s.record / best, self.floor) for s in self.stats]
 
@@ -66,6 +83,20 @@ class MinionSelector:
             # The cheapest re-check: retry whichever minion waited longest.
             run[max(range(len(self.stats)), key=lambda m: self.stats[m].skipped)] = True
         return run
+
+    def order(self) -> list[int]:
+        """Cheapest first (unmeasured first of all), so a costly minion can see what
+        the cheap ones already proposed."""
+        return sorted(range(len(self.stats)), key=lambda m: self.stats[m].cost or 0.0)
+
+    def still_needed(self, m: int, expected_so_far: float) -> bool:
+        """Per-context choice (SPIN): when the trees grown so far already expect more
+        accepted tokens than minion m usually delivers (a long n-gram match, say),
+        m's time is better saved this step. Such a step is not held against it."""
+        if not self.adaptive or expected_so_far <= self.stats[m].record:
+            return True
+        self._deferred.add(m)
+        return False
 
     def _worth_running(self, s: MinionStats) -> bool:
         if not self.adaptive or s.cost is None or self.seconds_per_token is None:
@@ -79,9 +110,10 @@ class MinionSelector:
         """Learn from one verified step; returns each minion's accepted-token count."""
         counts = contributions(tree, path, len(self.stats))
         self.seconds_per_token = _ema(self.seconds_per_token, step_seconds / max(new_tokens, 1), self.decay)
+        deferred, self._deferred = self._deferred, set()
         for m, s in enumerate(self.stats):
             if not ran[m]:
-                s.skipped += 1
+                s.skipped += m not in deferred
                 continue
             if s.skipped:  # it was retried after a pause
                 s.backoff = min(s.backoff * 2, 32) if self._worthless(s, tree, path, m) else 4
@@ -93,6 +125,12 @@ class MinionSelector:
 
     def _worthless(self, s: MinionStats, tree: TokenTree, path: list[int], m: int) -> bool:
         return marginal_tokens(tree, path, m) * (self.seconds_per_token or 0.0) < (s.cost or 0.0)
+
+
+def expected_accepted(proposal) -> float:
+    """A proposal's own estimate of the draft tokens the target will accept: each node
+    is accepted exactly when its whole path is, so the sum of path probabilities."""
+    return sum(math.exp(lp) for lp in proposal.logprobs)
 
 
 def contributions(tree: TokenTree, accepted_path: list[int], n_minions: int) -> list[int]:

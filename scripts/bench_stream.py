@@ -213,8 +213,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
     ap.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
                     help="streamed-layer storage (default: none; int4 with --synthetic)")
-    ap.add_argument("--buffers", type=int, default=4,
-                    help="layer buffers (read-ahead depth); 4 suits the CPU disk tier")
+    ap.add_argument("--buffers", type=int, default=6,
+                    help="layer buffers (read-ahead depth); 6 keeps the demo target's reads from pausing")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
     ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda (adds the pinned-RAM -> GPU check)")
     ap.add_argument("--readers", type=int, default=None, help="disk-tier reader threads (default: max(2, buffers))")

@@ -50,7 +50,7 @@ def test_demo_profiles():
     disk = plan_memory(load_profile("cpu-demo-disk"))
     assert set(disk.layer_tiers) == {"disk"}
     assert disk.streamed_bytes_by_tier["disk"] == disk.target_layer_bytes
-    assert disk.buffers.count == 3
+    assert disk.buffers.count == 6
 
 
 def test_config_json_wins_over_known_dims(tmp_path):

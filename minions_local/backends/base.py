@@ -13,7 +13,7 @@ steps and feeds the root together with the tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 
 @dataclass(slots=True)
@@ -79,6 +79,15 @@ class Minion(Protocol):
     def reset(self) -> None:
         """Forget all cached state."""
         ...
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: what a cache can keep."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def prefill(minion: Minion, context: list[int]) -> None:

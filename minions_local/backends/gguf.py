@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelLoadError, VocabularyMismatchError
-from .base import CandidateTree, GrowBudget
+from .base import CandidateTree, GrowBudget, common_prefix_len
 
 _INSTALL_HINT = (
     "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
@@ -204,7 +204,7 @@ class GGUFMinion:
         if len(context) > self.n_ctx:  # grow() abstains before this happens
             raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
         self._keep_tree_path(context)
-        keep = min(_common_prefix(self._prefix, context), len(context) - 1)  # the root always runs
+        keep = min(common_prefix_len(self._prefix, context), len(context) - 1)  # the root always runs
         if keep < len(self._prefix):
             self._lib.llama_memory_seq_rm(self._mem, 0, keep, -1)
             del self._prefix[keep:]
@@ -277,7 +277,7 @@ class GGUFMinion:
         if tree is None:
             return
         node, i = -1, len(self._prefix)
-        if _common_prefix(self._prefix, context) == i:
+        if common_prefix_len(self._prefix, context) == i:
             children: dict[tuple[int, int], int] = {}
             for n in self._node_seq:  # only nodes that ran have KV cells
                 children[(tree.parents[n], tree.tokens[n])] = n
@@ -332,10 +332,3 @@ def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     log_norm = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True, dtype=np.float64))
     return top, values - log_norm
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ..errors import ModelLoadError
 from ..speculation.tree import tree_attention_mask
+from .base import common_prefix_len
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 DTYPES = {
@@ -151,10 +152,7 @@ class CachedModel:
 
     def sync(self, tokens: list[int]) -> list[int]:
         """Keep the longest cached prefix of `tokens`; return the tokens still to run."""
-        lcp = 0
-        limit = min(len(self.cached), len(tokens))
-        while lcp < limit and self.cached[lcp] == tokens[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(self.cached, tokens)
         self.truncate(lcp)
         return tokens[lcp:]
 

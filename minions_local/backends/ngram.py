@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelLoadError
-from .base import CandidateTree, GrowBudget
+from .base import CandidateTree, GrowBudget, common_prefix_len
 
 _SPEC_KEYS: dict[str, Callable[[str], Any]] = {
     "name": str, "max_match": int, "min_match": int, "max_occurrences": int, "unknown_mass": float,
@@ -52,7 +52,7 @@ class ContextIndex:
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def sync(self, context: Sequence[int]) -> None:
-        keep = _common_prefix(self.tokens, context)
+        keep = common_prefix_len(self.tokens, context)
         while len(self.tokens) > keep:
             end = len(self.tokens) - 1
             for n in range(1, min(self.max_n, end + 1) + 1):
@@ -257,10 +257,3 @@ def _insert(root: _TrieNode, continuation: Sequence[int], matched: int, scale: f
         node = node.children.setdefault(int(token), _TrieNode())
         node.weight += scale * (matched + depth - 1)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

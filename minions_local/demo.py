@@ -39,7 +39,8 @@ def _manifest() -> dict:
         raise ModelLoadError(f"{path} is damaged. {RESTORE}") from None
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The checksum the manifest records (the release script writes it with this)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -60,6 +61,6 @@ def verify_member(folder: str) -> None:
         path = DEMO_DIR / rel
         if not path.is_file():
             raise ModelLoadError(f"The shipped demo file {path} is missing. {RESTORE}")
-        if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["size"] or sha256_of(path) != meta["sha256"]:
             raise ModelLoadError(f"The shipped demo file {path} is damaged (its size or checksum does not "
                                  f"match the manifest). {RESTORE}")

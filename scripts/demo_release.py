@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import torch
+from minions_local.demo import sha256_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 MANIFEST = "manifest.json"
@@ -53,14 +53,6 @@ def check_reloads(folder: Path, reference: PreTrainedModel, sample: torch.Tensor
         got = model(input_ids=sample[None]).logits
         want = reference(input_ids=sample[None]).logits
     return float((got - want).abs().max())
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_manifest(out: Path) -> dict:

@@ -31,7 +31,9 @@ class StepRecord:
     minion_accepted: dict[str, int] = field(default_factory=dict)
     """Per minion: how many of the accepted tokens lay on a path that minion proposed."""
     minion_weights: dict[str, float] = field(default_factory=dict)
-    """The vote weight each minion had in this step."""
+    """The vote weight each minion had in this step (only the minions that ran)."""
+    minion_t_grow: dict[str, float] = field(default_factory=dict)
+    """Seconds each minion that ran spent in grow() this step."""
     predicted_t_verify: float | None = None
     """The cost model's prediction for t_verify, when a cost model chose the budget."""
     predicted_t_grow: float | None = None

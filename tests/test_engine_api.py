@@ -35,6 +35,7 @@ def test_stream_events_and_records(engine):
         assert r.accepted <= r.tree_size and r.t_grow >= 0 and r.t_verify > 0
         assert r.tree is not None and r.tree.accepted_path[0] == 0 and len(r.tree.accepted_path) == r.accepted + 1
         assert set(r.minion_accepted) == {"llama-close", "llama-other"}
+        assert set(r.minion_t_grow) == set(r.minion_weights) and sum(r.minion_t_grow.values()) <= r.t_grow
 
 
 def test_closing_stream_early_leaves_engine_usable(engine, reference):

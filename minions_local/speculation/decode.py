@@ -78,6 +78,7 @@ class Decoder:
             new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
             minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
+            minion_t_grow={m.name: t for m, t, r in zip(self.minions, grow_seconds, ran) if r},
             predicted_t_verify=budget.predicted_t_verify, predicted_t_grow=budget.predicted_t_grow,
         )
         self.policy.observe(record)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from .backends.base import Minion
-from .backends.hf import check_model_folder, load_causal_lm, load_config, resolve_dtype
+from .backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from .backends.hf_minion import HFMinion
 from .backends.hf_target import HFTarget
 from .errors import ModelLoadError, VocabularyMismatchError
@@ -148,8 +148,6 @@ def unique_names(minions: list[Minion]) -> None:
 
 
 def context_limit(target: HFTarget) -> int:
-    from .backends.hf import context_length
-
     return context_length(target.model.config)
 
 

@@ -13,11 +13,9 @@ target decides what is accepted), and tests check the logits against transformer
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..speculation.tree import tree_attention_mask
 from .hf import CachedModel
 
 
@@ -146,7 +144,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 class CompactModel(CachedModel):
     """CachedModel's contract (sync, extend, forward, truncate, keep_entries) on top
-    of the compact forward and its in-place cache."""
+    of the compact forward and its in-place cache; masks and positions are built by
+    CachedModel.forward, only the model call differs."""
 
     def __init__(self, model) -> None:
         super().__init__(model)
@@ -168,8 +167,5 @@ class CompactModel(CachedModel):
     def keep_entries(self, positions: list[int]) -> None:
         self.decoder.keep_entries(positions)
 
-    def forward(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int) -> torch.Tensor:
-        prefix = self.cache_len + len(tokens) - anc.shape[1]
-        mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
-        pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
-        return self.decoder.forward(tokens, mask, pos)
+    def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.decoder.forward(tokens, mask, positions)

@@ -165,10 +165,14 @@ class CachedModel:
         Positions are base_pos + depth; the new entries are appended to the cache.
         """
         prefix = self.cache_len + len(tokens) - anc.shape[1]
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
         pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+        return self._run(tokens, mask, pos)
+
+    def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model call itself: logits [T, V] float32, new entries appended to the cache."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                          use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0].float()

@@ -115,16 +115,15 @@ class MinionSelector:
             if not ran[m]:
                 s.skipped += m not in deferred
                 continue
-            if s.skipped:  # it was retried after a pause
-                s.backoff = min(s.backoff * 2, 32) if self._worthless(s, tree, path, m) else 4
+            gained = marginal_tokens(tree, path, m)
+            if s.skipped:  # it was retried after a pause: was it worth it this time?
+                worthless = gained * self.seconds_per_token < (s.cost or 0.0)
+                s.backoff = min(s.backoff * 2, 32) if worthless else 4
             s.skipped = 0
             s.record = _ema(s.record, counts[m], self.decay)
-            s.marginal = _ema(s.marginal, marginal_tokens(tree, path, m), self.decay)
+            s.marginal = _ema(s.marginal, gained, self.decay)
             s.cost = _ema(s.cost, grow_seconds[m], self.decay)
         return counts
-
-    def _worthless(self, s: MinionStats, tree: TokenTree, path: list[int], m: int) -> bool:
-        return marginal_tokens(tree, path, m) * (self.seconds_per_token or 0.0) < (s.cost or 0.0)
 
 
 def expected_accepted(proposal) -> float:

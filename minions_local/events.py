@@ -37,7 +37,12 @@ class StepRecord:
     predicted_t_verify: float | None = None
     """The cost model's prediction for t_verify, when a cost model chose the budget."""
     predicted_t_grow: float | None = None
-    """The cost model's prediction for t_grow, when a cost model chose the budget."""
+    """The cost model's prediction for t_grow, when a cost model chose the budget: for
+    the minions that ran (the selector may skip some), each predicted before it grew."""
+    sampled: bool = False
+    """The request sampled (temperature > 0): its acceptance differs from greedy."""
+    t_policy: float = 0.0
+    """Seconds the budget policy took to choose this step's tree size."""
     tree: "TreeSnapshot | None" = None
     """The verified tree, for display (kept small: tokens, parents, owners, accepted path)."""
 

@@ -162,23 +162,66 @@ def test_calibrated_acceptance_recovers_the_rate():
 
 def test_policy_learns_the_machine_and_the_minions():
     truth = VerifyTime(flat=0.4, base=0.01, slope=0.002)  # the real machine: faster link than the prior
-    prior = CostModel(VerifyTime(flat=1.0, base=0.02, slope=0.001), (GrowTime("m", 0.005, 0.0001),))
+    prior_grow = GrowTime("m", 0.005, 0.0001)
+    prior = CostModel(VerifyTime(flat=1.0, base=0.02, slope=0.001), (prior_grow,))
     policy = CostModelBudget(prior, max_nodes=256, max_depth=12, acceptance=0.5, refit_every=4)
     rng = random.Random(1)
     for _ in range(64):
         b = policy.choose(remaining_tokens=1000)
         assert b.predicted_t_verify is not None and 0 <= b.nodes <= 256 and b.depth <= 12
         accepted = simulate_accepted(rng, 0.8, b.nodes, b.depth)
-        t_grow = 2 * b.predicted_t_grow / policy._grow_scale()  # minions twice as slow as the prior says
-        policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=t_grow, t_verify=truth(b.nodes),
-                                  depth=b.depth, predicted_t_verify=b.predicted_t_verify,
-                                  predicted_t_grow=b.predicted_t_grow))
+        minion = 2 * prior_grow(b.nodes, b.depth, b.width)  # the minion is twice as slow as the prior says
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=minion + 0.003,
+                                  t_verify=truth(b.nodes), depth=b.depth, minion_t_grow={"m": minion},
+                                  predicted_t_verify=b.predicted_t_verify,
+                                  predicted_t_grow=b.predicted_grow_for(["m"])))
     assert policy.acceptance == pytest.approx(0.8, abs=0.12)
     assert policy.model.t_verify(64) == pytest.approx(truth(64), rel=0.1)
-    assert policy._grow_scale() == pytest.approx(2.0, rel=0.1)
+    for width in (1, 4, 16):
+        assert policy.model.grow[0].pass_seconds(width) == pytest.approx(2 * prior_grow.pass_seconds(width),
+                                                                         rel=0.1)
+    assert policy.model.step_overhead == pytest.approx(0.003, rel=0.05)  # voting: grow time beyond the minions'
+    b = policy.choose(remaining_tokens=1000)
+    assert b.predicted_grow_for(["m"]) == pytest.approx(0.003 + 2 * prior_grow(b.nodes, b.depth, b.width), rel=0.1)
+    assert b.predicted_grow_for([]) == pytest.approx(0.003, rel=0.05)
     b = policy.choose(remaining_tokens=3)
     assert b.depth <= 2  # never grow deeper than the tokens still wanted
     assert policy.choose(remaining_tokens=1).nodes == 0
+
+
+def test_policy_calibrates_greedy_and_sampled_requests_apart():
+    """Sampling accepts less from the same trees; one shared rate would be wrong for both."""
+    prior = CostModel(VerifyTime(flat=0.05, base=0.01, slope=0.0005), (GrowTime("m", 0.002, 0.0001),))
+    policy = CostModelBudget(prior, max_nodes=128, max_depth=12, acceptance=0.5, refit_every=4)
+    rng = random.Random(2)
+    for i in range(128):
+        sampled = i % 2 == 1
+        b = policy.choose(remaining_tokens=1000, sampled=sampled)
+        gains, _ = expected_accepted((0.3 if sampled else 0.85,), b.nodes, b.depth)
+        mean = gains[min(b.nodes, len(gains) - 1)]  # a draw with exactly the model's mean
+        accepted = int(mean) + (rng.random() < mean - int(mean))
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=0.01, t_verify=prior.t_verify(b.nodes),
+                                  depth=b.depth, sampled=sampled, minion_t_grow={"m": 0.009}))
+    assert policy.acceptance == pytest.approx(0.85, abs=0.08)
+    assert policy.sampled_acceptance == pytest.approx(0.3, abs=0.08)
+    greedy, sampled = policy.choose(1000), policy.choose(1000, sampled=True)
+    assert sampled.nodes < greedy.nodes  # less is accepted, so a smaller tree pays
+
+
+def test_policy_budgets_for_the_minions_that_actually_run():
+    """A minion the selector rarely runs should barely count in the chosen budget's grow time."""
+    prior = CostModel(VerifyTime(flat=0.02, base=0.01, slope=0.0005),
+                      (GrowTime("cheap", 0.0005, 0.0), GrowTime("slow", 0.01, 0.0005)))
+    policy = CostModelBudget(prior, max_nodes=64, max_depth=8, acceptance=0.7, refit_every=4)
+    for i in range(32):
+        b = policy.choose(1000)
+        ran = {"cheap": 0.0005 * b.depth} | ({"slow": 0.01 * b.depth} if i % 8 == 0 else {})
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=2, t_grow=sum(ran.values()), t_verify=0.02,
+                                  depth=b.depth, minion_t_grow=ran))
+    b = policy.choose(1000)
+    each = dict(b.grow_by_minion)
+    assert b.predicted_t_grow < b.grow_overhead + each["cheap"] + 0.5 * each["slow"]
+    assert b.predicted_grow_for(["cheap"]) == pytest.approx(b.grow_overhead + each["cheap"])
 
 
 def test_policy_from_profile_uses_its_limits():

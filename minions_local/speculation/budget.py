@@ -23,10 +23,25 @@ class StepBudget:
     """Nodes each minion adds per forward pass while growing."""
     predicted_t_verify: float | None = None
     predicted_t_grow: float | None = None
+    """Expected grow time, each minion weighted by how often it has been running."""
+    grow_overhead: float = 0.0
+    """Predicted seconds of voting and bookkeeping, whoever grows."""
+    grow_by_minion: tuple[tuple[str, float], ...] = ()
+    """Predicted grow seconds of each minion, were it to run this step."""
+
+    def predicted_grow_for(self, ran: list[str]) -> float | None:
+        """The grow time predicted for the minions that did run (the selector decides
+        that during the step; the step record compares this with what was measured)."""
+        if not self.grow_by_minion:
+            return self.predicted_t_grow
+        return self.grow_overhead + sum(t for name, t in self.grow_by_minion if name in ran)
 
 
 class BudgetPolicy(Protocol):
-    def choose(self, remaining_tokens: int) -> StepBudget: ...
+    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
+        """`sampled`: this request samples (temperature > 0), which accepts fewer
+        tokens than greedy decoding from the same trees."""
+        ...
 
     def observe(self, record: StepRecord) -> None: ...
 
@@ -43,7 +58,7 @@ class FixedBudget:
     nodes: int = 32
     depth: int = 8
 
-    def choose(self, remaining_tokens: int) -> StepBudget:
+    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = self.nodes if depth else 0
         return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
@@ -66,7 +81,7 @@ class AdaptiveDepth:
     min_depth: int = 2
     max_depth: int = 16
 
-    def choose(self, remaining_tokens: int) -> StepBudget:
+    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = max(self.nodes, depth) if depth else 0
         return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))

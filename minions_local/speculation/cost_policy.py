@@ -7,11 +7,16 @@ step record shows predicted next to measured times.
 
 What it learns from the records, every `refit_every` steps over the last `window`:
 - verify time: the cost model's coefficients, refit to (tree size, t_verify);
-- grow time: one factor scaling every minion's predicted grow time (the record holds
-  the minions' total, not each one's);
-- acceptance: the single rate `a` for which the acceptance model's expected accepted
-  length, summed over the trees actually verified, equals what was accepted. This
-  calibrates the model to the trees the minions really grow. An estimate.
+- grow time: each minion's own pass time, refit to the seconds it spent growing
+  (`StepRecord.minion_t_grow`) over the passes its budget asked for, plus the
+  voting overhead (what the step's grow time holds beyond the minions' own);
+- participation: how often each minion ran (the selector skips minions that do not
+  pay); the budget is chosen for the expected grow time, and the step record gets the
+  prediction for the minions that did run;
+- acceptance, separately for greedy and sampled requests (sampling accepts less from
+  the same tree): the single rate `a` for which the acceptance model's expected
+  accepted length, summed over the trees actually verified, equals what was accepted.
+  This calibrates the model to the trees the minions really grow. An estimate.
 """
 
 from __future__ import annotations
@@ -35,16 +40,25 @@ class CostModelBudget:
     max_depth: int = 16
     top_k: int = 8
     acceptance: float = 0.7
-    """Starting estimate of the minions' top-1 acceptance rate (replaced by calibration)."""
+    """Greedy requests' top-1 acceptance rate: a starting estimate, then calibrated."""
+    sampled_acceptance: float | None = None
+    """The same for sampled requests (None: start from `acceptance`)."""
     window: int = 64
     refit_every: int = 8
     _prior: CostModel | None = field(default=None, repr=False)
     _steps: deque = field(default_factory=deque, repr=False)
+    _budgets: deque = field(default_factory=deque, repr=False)
     _seen: int = 0
+    _participation: dict = field(default_factory=dict, repr=False)
+    _chosen: dict = field(default_factory=dict, repr=False)
+    _last: StepBudget | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._prior = self.model
         self._steps = deque(maxlen=self.window)
+        self._budgets = deque(maxlen=self.window)
+        if self.sampled_acceptance is None:
+            self.sampled_acceptance = self.acceptance
 
     @classmethod
     def from_profile(cls, profile, plan=None, **kwargs) -> "CostModelBudget":
@@ -54,18 +68,40 @@ class CostModelBudget:
                       top_k=spec.top_k)
         return cls(CostModel.from_profile(profile, plan), **{**limits, **kwargs})
 
-    def choose(self, remaining_tokens: int) -> StepBudget:
+    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
         depth_cap = max(0, min(self.max_depth, remaining_tokens - 1))
         if depth_cap == 0:
-            return StepBudget(nodes=0, depth=0, width=1, predicted_t_verify=self.model.t_verify(0),
-                              predicted_t_grow=0.0)
-        c = self.model.best_budget(self.acceptance, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
-                                   max_depth=depth_cap, top_k=self.top_k)
-        return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width),
-                          predicted_t_verify=c.t_verify, predicted_t_grow=c.t_grow)
+            self._last = StepBudget(nodes=0, depth=0, width=1, predicted_t_verify=self.model.t_verify(0),
+                                    predicted_t_grow=0.0)
+            return self._last
+        # The answer only changes when the model is refit: between refits, reuse it
+        # (the search is ~1 ms of Python, a few percent of a small step).
+        key = (depth_cap, sampled)
+        if key not in self._chosen:
+            self._chosen[key] = self._best(depth_cap, sampled)
+        self._last = self._chosen[key]
+        return self._last
+
+    def _best(self, depth_cap: int, sampled: bool) -> StepBudget:
+        rate = self.sampled_acceptance if sampled else self.acceptance
+        expected = self._expected_model()
+        c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
+                                 max_depth=depth_cap, top_k=self.top_k)
+        width = max(1, c.width)
+        each = tuple((g.name, g(c.nodes, c.depth, width)) for g in self.model.grow)
+        return StepBudget(nodes=c.nodes, depth=c.depth, width=width, predicted_t_verify=c.t_verify,
+                          predicted_t_grow=c.t_grow, grow_overhead=self.model.step_overhead,
+                          grow_by_minion=each)
+
+    def _expected_model(self) -> CostModel:
+        """The model with each minion's grow time weighted by how often it runs."""
+        grow = tuple(replace(g, base=g.base * p, per_token=g.per_token * p)
+                     for g in self.model.grow for p in [self._participation.get(g.name, 1.0)])
+        return replace(self.model, grow=grow)
 
     def observe(self, record: StepRecord) -> None:
         self._steps.append(record)
+        self._budgets.append(self._last)
         self._seen += 1
         if self._seen % self.refit_every == 0:
             self.refit()
@@ -75,26 +111,36 @@ class CostModelBudget:
         steps = list(self._steps)
         if not steps:
             return
-        model = self._prior.refined(verify_samples=[(r.tree_size, r.t_verify) for r in steps])
-        ratios = [r.t_grow / r.predicted_t_grow for r in steps if r.predicted_t_grow and r.t_grow > 0]
-        if ratios:
-            model = scale_grow(model, median(ratios) * self._grow_scale())
+        grown = [(r, b) for r, b in zip(steps, self._budgets) if r.tree_size > 0 and b is not None and b.depth > 0]
+        model = self._prior.refined(verify_samples=[(r.tree_size, r.t_verify) for r in steps],
+                                    grow_samples=grow_samples(grown))
+        overheads = [r.t_grow - sum(r.minion_t_grow.values()) for r, _ in grown if r.minion_t_grow]
+        if overheads:
+            model = replace(model, step_overhead=max(median(overheads), 0.0))
         self.model = model
-        trees = [(r.tree_size, r.depth, r.accepted) for r in steps if r.tree_size > 0 and r.depth > 0]
-        if trees:
-            self.acceptance = calibrate_acceptance(trees, self.top_k)
+        if grown:
+            names = [g.name for g in model.grow]
+            self._participation = {n: sum(n in r.minion_t_grow for r, _ in grown) / len(grown) for n in names}
+        for sampled in (False, True):
+            trees = [(r.tree_size, r.depth, r.accepted) for r in steps
+                     if r.tree_size > 0 and r.depth > 0 and r.sampled == sampled]
+            if trees:
+                rate = calibrate_acceptance(trees, self.top_k)
+                if sampled:
+                    self.sampled_acceptance = rate
+                else:
+                    self.acceptance = rate
+        self._chosen.clear()
 
-    def _grow_scale(self) -> float:
-        """The scale already applied to the prior's grow times (predictions used it)."""
-        prior = sum(g.base for g in self._prior.grow)
-        now = sum(g.base for g in self.model.grow)
-        return now / prior if prior > 0 else 1.0
 
-
-def scale_grow(model: CostModel, factor: float) -> CostModel:
-    """The model with every minion's grow time multiplied by `factor` (from the prior's)."""
-    grow = tuple(replace(g, base=g.base * factor, per_token=g.per_token * factor) for g in model.grow)
-    return replace(model, grow=grow)
+def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[tuple[int, float]]]:
+    """Per minion, (width, seconds per pass): the time it spent growing over the passes
+    its budget asked for (one per level of depth)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for record, budget in grown:
+        for name, seconds in record.minion_t_grow.items():
+            out.setdefault(name, []).append((budget.width, seconds / budget.depth))
+    return out
 
 
 def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8) -> float:

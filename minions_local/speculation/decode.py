@@ -57,9 +57,11 @@ class Decoder:
              remaining: int) -> StepResult:
         """One target pass over a voted tree below context[-1]; `remaining` >= 1 caps
         how many tokens this step may commit."""
-        budget = self.policy.choose(remaining) if self.minions else StepBudget(0, 0, 1)
+        t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
+        sampled = not params.greedy
+        budget = self.policy.choose(remaining, sampled=sampled) if self.minions else StepBudget(0, 0, 1)
+        t_policy = time.perf_counter() - t0
         weights = self.selector.weights()
-        t0 = time.perf_counter()
         tree, ran, grow_seconds = self._grow(context, budget, weights)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
@@ -79,7 +81,9 @@ class Decoder:
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
             minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
             minion_t_grow={m.name: t for m, t, r in zip(self.minions, grow_seconds, ran) if r},
-            predicted_t_verify=budget.predicted_t_verify, predicted_t_grow=budget.predicted_t_grow,
+            predicted_t_verify=budget.predicted_t_verify,
+            predicted_t_grow=budget.predicted_grow_for([m.name for m, r in zip(self.minions, ran) if r]),
+            sampled=sampled, t_policy=t_policy,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)

@@ -11,7 +11,7 @@ import torch
 from .backends.base import Minion
 from .backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from .backends.hf_minion import HFMinion
-from .backends.hf_target import HFTarget
+from .backends.hf_target import HFTarget, resident_target
 from .errors import ModelLoadError, VocabularyMismatchError
 from .events import LoadProgress
 from .text import load_tokenizer
@@ -56,7 +56,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
         target = HFTarget(model, bytes_streamed=lambda: stats.bytes_streamed)
         target.stream_stats = stats
     else:
-        target = HFTarget(load_causal_lm(path, "target", dtype, device))
+        target = resident_target(load_causal_lm(path, "target", dtype, device))
     if progress:
         progress(LoadProgress("target", tier, total, total, "ready"))
     tokenizer = load_tokenizer(path, "target")

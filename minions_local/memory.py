@@ -19,6 +19,8 @@ def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
     if stats is not None and hasattr(stats, "bytes_by_tier"):
         for tier, n in stats.bytes_by_tier().items():
             tiers[tier] = tiers.get(tier, 0) + n
+    elif hasattr(target, "weight_bytes"):
+        tiers["device"] = target.weight_bytes()  # the compact forward's own copies
     else:
         tiers["device"] = _model_bytes(target.model)
     for m in engine.minions:

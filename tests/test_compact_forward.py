@@ -40,3 +40,41 @@ def test_qwen2_bias_and_fallbacks():
     assert not supports(windowed)
     assert type(HFMinion(windowed, "w").runner) is CachedModel
     assert type(HFMinion(qwen, "q").runner) is CompactModel
+
+
+# -- the resident target on the compact forward -------------------------------------------
+
+from minions_local.backends import hf_target  # noqa: E402
+from minions_local.backends.compact import packing_is_exact  # noqa: E402
+from minions_local.backends.hf_target import CompactTarget, HFTarget, resident_target  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resident_target_is_bit_identical_to_transformers(dtype):
+    """Exactness is the point: the target's logits, not just its argmax, must be the same."""
+    model = random_model(tiny_config("llama"), 3).to(dtype)
+    ref = HFTarget(random_model(tiny_config("llama"), 3).to(dtype))
+    target = resident_target(model)
+    assert isinstance(target, CompactTarget)
+    if dtype == torch.bfloat16:
+        assert packing_is_exact(dtype, torch.device("cpu"))  # the prepacked matmuls are in use
+        assert target.decoder.linear is not torch.nn.functional.linear
+    context = list(range(3, 60))
+    tree = TokenTree.from_root(context[-1])
+    a = tree.add(0, 7)
+    tree.add(0, 8)
+    tree.add(a, 9)
+    for n in (20, 57):  # the second verify runs on a cache the first one left
+        assert torch.equal(ref.verify(context[:n], tree), target.verify(context[:n], tree))
+        ref.commit(tree, [0, a])
+        target.commit(tree, [0, a])
+    # the module's own copies were released: the weights are held once
+    assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
+    assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95
+
+
+def test_resident_target_falls_back_where_the_compact_forward_is_not_exact(monkeypatch):
+    monkeypatch.setattr(hf_target, "_compact_is_exact", lambda model: False)
+    model = random_model(tiny_config("llama"), 3)
+    target = resident_target(model)
+    assert type(target) is HFTarget and model.model.layers[0].mlp.gate_proj.weight.numel() > 0

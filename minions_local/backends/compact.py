@@ -1,14 +1,17 @@
-"""A compact forward for small Llama-family minions (Llama, Qwen2, Mistral).
+"""A compact forward for Llama-family models (Llama, Qwen2, Mistral).
 
-A minion's forward runs a handful of tokens through a few narrow layers, so in
-transformers most of its time is framework overhead: a dozen module calls per
-layer, RMSNorm's fp32 round trips, and a cache that re-concatenates itself every
-pass. Here the same weights run with q/k/v and gate/up fused into one matmul each,
-a fused RMSNorm, and a preallocated KV cache written in place. Rotary embeddings come
-from the model's own rotary module, so every RoPE scaling variant stays correct.
+A forward over a handful of tokens spends much of its time, in transformers, on
+framework overhead: a dozen module calls per layer, RMSNorm's fp32 round trips, a
+cache that re-concatenates itself every pass, and on a CPU a oneDNN reorder of every
+weight on every call. Here the same weights run with q/k/v and gate/up fused into one
+matmul each, prepacked for oneDNN once (where that is bit-exact), a fused RMSNorm,
+and a preallocated KV cache written in place. Rotary embeddings come from the model's
+own rotary module, so every RoPE scaling variant stays correct.
 
-Only minions use it: their numerics need not match the target's bit for bit (the
-target decides what is accepted), and tests check the logits against transformers.
+Minions always use it where supported (their numerics need not match anyone's: the
+target decides what is accepted). A resident target uses it only after a check at
+load time that its logits equal transformers' bit for bit (hf_target.resident_target),
+so decoding stays token-identical to the target run by transformers.
 """
 
 from __future__ import annotations

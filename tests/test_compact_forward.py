@@ -39,7 +39,7 @@ def test_qwen2_bias_and_fallbacks():
     windowed.config.sliding_window = 16
     assert not supports(windowed)
     assert type(HFMinion(windowed, "w").runner) is CachedModel
-    assert type(HFMinion(qwen, "q").runner) is CompactModel
+    assert isinstance(HFMinion(qwen, "q").runner, CompactModel) and not HFMinion(qwen, "q").runner.decoder.exact
 
 
 # -- the resident target on the compact forward -------------------------------------------
@@ -78,3 +78,18 @@ def test_resident_target_falls_back_where_the_compact_forward_is_not_exact(monke
     model = random_model(tiny_config("llama"), 3)
     target = resident_target(model)
     assert type(target) is HFTarget and model.model.layers[0].mlp.gate_proj.weight.numel() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_minion_forward_is_close_to_transformers(families, arch):
+    """Minions take the cheaper, differently rounded path; it must still be the same model."""
+    from minions_local.backends.hf_minion import CompactMinion
+
+    model = AutoModelForCausalLM.from_pretrained(families[arch]["target"]).eval()
+    ref, fast = CachedModel(model), CompactMinion(model)
+    prompt = list(range(3, 40))
+    assert torch.allclose(ref.extend(prompt), fast.extend(prompt), atol=1e-3)
+    tree = TokenTree.from_root(50)
+    tree.add(tree.add(0, 51), 53)
+    args = (tree.tokens, tree.ancestor_matrix(), tree.depths, len(prompt))
+    assert torch.allclose(ref.forward(*args), fast.forward(*args), atol=1e-3)

@@ -23,7 +23,7 @@ from .hf import CachedModel
 
 
 class CompactDecoder:
-    def __init__(self, model, capacity: int = 512, pack: bool = True) -> None:
+    def __init__(self, model, capacity: int = 512, pack: bool = True, exact: bool = True) -> None:
         cfg = model.config
         if not supports(model):
             raise ValueError(f"the compact forward does not support this {cfg.model_type} configuration")
@@ -38,6 +38,8 @@ class CompactDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.exact = exact
+        """False: fewer, cheaper ops whose rounding differs from transformers (minions)."""
         self.linear = F.linear
         if pack and packing_is_exact(self.dtype, self.device):
             self._pack()
@@ -120,6 +122,8 @@ class CompactDecoder:
     # --- forward ---------------------------------------------------------------------
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.exact:  # one op in the model's dtype instead of four
+            return F.rms_norm(x, (x.shape[-1],), w, eps=self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype) * w
 
     @torch.inference_mode()
@@ -136,10 +140,13 @@ class CompactDecoder:
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
             qkv = self.linear(h, L["qkv"], L["qkv_bias"])
-            q = qkv[..., :nq].view(1, t, self.heads, hd).transpose(1, 2)
-            k = qkv[..., nq:nq + nkv].view(1, t, self.kv_heads, hd).transpose(1, 2)
             v = qkv[..., nq + nkv:].view(1, t, self.kv_heads, hd).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            if self.exact:
+                q = _rope(qkv[..., :nq].view(1, t, self.heads, hd).transpose(1, 2), cos, sin)
+                k = _rope(qkv[..., nq:nq + nkv].view(1, t, self.kv_heads, hd).transpose(1, 2), cos, sin)
+            else:  # rotate queries and keys in one go: half the small ops
+                qk = _rope(qkv[..., :nq + nkv].view(1, t, self.heads + self.kv_heads, hd).transpose(1, 2), cos, sin)
+                q, k = qk[:, :self.heads], qk[:, self.heads:]
             self.kv[i, 0, :, start:end] = k[0]
             self.kv[i, 1, :, start:end] = v[0]
             keys = self.kv[i, 0, :, :end].unsqueeze(0)
@@ -224,9 +231,12 @@ class CompactModel(CachedModel):
     of the compact forward and its in-place cache; masks and positions are built by
     CachedModel.forward, only the model call differs."""
 
+    exact = True
+    """Whether the forward must round exactly like transformers (a target must)."""
+
     def __init__(self, model, **kwargs) -> None:
         super().__init__(model, **kwargs)
-        self.decoder = CompactDecoder(model)
+        self.decoder = CompactDecoder(model, exact=self.exact)
         self.cache = None  # the decoder owns the keys and values
 
     def weight_bytes(self) -> int:

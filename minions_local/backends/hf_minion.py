@@ -16,6 +16,10 @@ import torch
 
 from .base import CandidateTree, GrowBudget
 from .compact import CompactModel, supports
+
+
+class CompactMinion(CompactModel):
+    exact = False  # a minion's rounding need not match anyone's: the target decides
 from .hf import CachedModel
 
 
@@ -23,7 +27,7 @@ class HFMinion:
     def __init__(self, model, name: str, compact: bool = True) -> None:
         # The compact forward is the same math with a fraction of the framework
         # overhead, which is most of a small model's time; transformers runs the rest.
-        self.runner: CachedModel = CompactModel(model) if compact and supports(model) else CachedModel(model)
+        self.runner: CachedModel = CompactMinion(model) if compact and supports(model) else CachedModel(model)
         self.model = model
         self.name = name
         self.vocab_size = self.runner.vocab_size

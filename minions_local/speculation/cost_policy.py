@@ -149,12 +149,17 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8) -> f
     trees: (nodes, depth, accepted) of verified trees. Bisection: E grows with a.
     """
     observed = sum(acc for _, _, acc in trees)
+    # The best n-node tree grows best-first, so one table per depth cap serves every
+    # tree size (the refit runs every few steps: keep it to a handful of table builds).
+    by_depth: dict[int, list[int]] = {}
+    for nodes, depth, _ in trees:
+        by_depth.setdefault(depth, []).append(nodes)
 
     def predicted(a: float) -> float:
         total = 0.0
-        for nodes, depth, _ in trees:
-            gains, _ = expected_accepted((round(a, 2),), nodes, depth, top_k)
-            total += gains[min(nodes, len(gains) - 1)]
+        for depth, sizes in by_depth.items():
+            gains, _ = expected_accepted((round(a, 2),), max(sizes), depth, top_k)
+            total += sum(gains[min(n, len(gains) - 1)] for n in sizes)
         return total
 
     lo, hi = 0.01, 0.99

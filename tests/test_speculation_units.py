@@ -1,5 +1,6 @@
 """Trees, voting, masks, positions, acceptance and cache edits, without real models."""
 
+import pytest
 import math
 
 import numpy as np
@@ -126,3 +127,45 @@ def test_cache_keep_entries_matches_fresh_run(families):
         ref = model(torch.tensor([prefix + [20, 22, 30]])).logits[0]
     assert torch.allclose(logits[b], ref[-2], atol=1e-4)
     assert torch.allclose(nxt, ref[-1], atol=1e-4)
+
+
+def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behind(monkeypatch):
+    """Minions prefill in a worker while the target does; an error in either waits for both."""
+    import threading
+    import time
+
+    import torch
+
+    from minions_local.speculation import decode
+
+    class Target:
+        device = torch.device("cpu")
+
+        def __init__(self, fail):
+            self.fail = fail
+
+        def prefill(self, context):
+            if self.fail:
+                raise KeyboardInterrupt  # Ctrl-C while the target reads the prompt
+
+    class SlowMinion:
+        name = "slow"
+
+        def __init__(self):
+            self.done, self.thread = False, None
+
+        def prefill(self, context):
+            time.sleep(0.05)
+            self.thread, self.done = threading.current_thread(), True
+
+    monkeypatch.setattr(decode, "_spare_core", lambda target: True)
+    for fail in (False, True):
+        minion = SlowMinion()
+        decoder = decode.Decoder(Target(fail), [minion], FixedBudget(4, 2))
+        if fail:
+            with pytest.raises(KeyboardInterrupt):
+                decoder.prefill([1, 2, 3])
+        else:
+            decoder.prefill([1, 2, 3])
+        assert minion.done  # the worker finished before prefill returned or raised
+        assert minion.thread is not threading.main_thread()

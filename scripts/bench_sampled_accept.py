@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's package
 
 from bench_prompts import held_out_prompts  # noqa: E402
 

@@ -139,10 +139,15 @@ def verify_node(tree: TokenTree, node: int, target_probs: torch.Tensor,
         residual = _rejection_residual(p, q, token)
         mass = float(residual.sum())
         q_token = 1.0 if q is None else float(q[token])
-        if mass <= RESIDUAL_EPS or float(torch.rand((), generator=generator, dtype=torch.float64)) * q_token < p[token]:
+        # u < p/q, written without the division (q_token > 0 for any drawn token).
+        if mass <= RESIDUAL_EPS or _uniform(generator) * q_token < float(p[token]):
             return tree.children[node][token], token
         p = residual / mass
     return None, int(torch.multinomial(p, 1, generator=generator))
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
 def draft_distribution(q: torch.Tensor, drawn: list[int], vocab: int) -> torch.Tensor:

@@ -174,7 +174,10 @@ class Engine:
 
         prompt: text or token ids. temperature 0 is greedy (token-identical to the
         target alone); otherwise samples exactly from the target's distribution after
-        temperature, top_k (0 = off) and top_p. seed makes sampling reproducible.
+        temperature, top_k (0 = off) and top_p. seed makes sampling reproducible
+        for the same engine state: the minions sample their drafts too, so the tokens
+        also depend on the tree, which follows what the engine has learned so far
+        (vote weights, adaptive budgets, timings with selection="learned").
         stop: strings that end the reply (not included). Errors about the request
         (context overflow, bad arguments) are raised before any work is done.
         """

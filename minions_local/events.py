@@ -34,6 +34,8 @@ class StepRecord:
     """The vote weight each minion had in this step (only the minions that ran)."""
     minion_t_grow: dict[str, float] = field(default_factory=dict)
     """Seconds each minion that ran spent in grow() this step."""
+    minion_nodes: dict[str, int] = field(default_factory=dict)
+    """Draft nodes each minion that ran was allowed (its share, when sampling)."""
     predicted_t_verify: float | None = None
     """The cost model's prediction for t_verify, when a cost model chose the budget."""
     predicted_t_grow: float | None = None

@@ -174,7 +174,7 @@ def test_policy_learns_the_machine_and_the_minions():
         policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=minion + 0.003,
                                   t_verify=truth(b.nodes), depth=b.depth, minion_t_grow={"m": minion},
                                   predicted_t_verify=b.predicted_t_verify,
-                                  predicted_t_grow=b.predicted_grow_for(["m"])))
+                                  predicted_t_grow=b.predicted_grow_for({"m": b.nodes})))
     assert policy.acceptance == pytest.approx(0.8, abs=0.12)
     assert policy.model.t_verify(64) == pytest.approx(truth(64), rel=0.1)
     for width in (1, 4, 16):
@@ -182,8 +182,10 @@ def test_policy_learns_the_machine_and_the_minions():
                                                                          rel=0.1)
     assert policy.model.step_overhead == pytest.approx(0.003, rel=0.05)  # voting: grow time beyond the minions'
     b = policy.choose(remaining_tokens=1000)
-    assert b.predicted_grow_for(["m"]) == pytest.approx(0.003 + 2 * prior_grow(b.nodes, b.depth, b.width), rel=0.1)
-    assert b.predicted_grow_for([]) == pytest.approx(0.003, rel=0.05)
+    assert b.predicted_grow_for({"m": b.nodes}) == pytest.approx(0.003 + 2 * prior_grow(b.nodes, b.depth, b.width), rel=0.1)
+    assert b.predicted_grow_for({}) == pytest.approx(0.003, rel=0.05)
+    share = b.predicted_grow_for({"m": max(1, b.nodes // 4)})  # a sampled step grows a share
+    assert b.predicted_grow_for({}) < share < b.predicted_grow_for({"m": b.nodes})
     b = policy.choose(remaining_tokens=3)
     assert b.depth <= 2  # never grow deeper than the tokens still wanted
     assert policy.choose(remaining_tokens=1).nodes == 0
@@ -219,9 +221,9 @@ def test_policy_budgets_for_the_minions_that_actually_run():
         policy.observe(StepRecord(tree_size=b.nodes, accepted=2, t_grow=sum(ran.values()), t_verify=0.02,
                                   depth=b.depth, minion_t_grow=ran))
     b = policy.choose(1000)
-    each = dict(b.grow_by_minion)
+    each = {g.name: g(b.nodes, b.depth, b.width) for g in b.grow_models}
     assert b.predicted_t_grow < b.grow_overhead + each["cheap"] + 0.5 * each["slow"]
-    assert b.predicted_grow_for(["cheap"]) == pytest.approx(b.grow_overhead + each["cheap"])
+    assert b.predicted_grow_for({"cheap": b.nodes}) == pytest.approx(b.grow_overhead + each["cheap"])
 
 
 def test_policy_from_profile_uses_its_limits():

@@ -12,8 +12,14 @@ steps and feeds the root together with the tree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..speculation.accept import SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,6 +34,16 @@ class GrowBudget:
     """Nodes added per forward pass: 1 grows a chain; more grows a bushier tree."""
     top_k: int = 8
     """Children considered per expanded node."""
+    sampling: SamplingParams | None = None
+    """Set when the target samples: a minion that can sample draws its children from
+    its own distribution under these same settings (see accept.py for why that helps
+    and what it requires). None: propose deterministically (greedy decoding, or a
+    minion that cannot sample)."""
+    generator: torch.Generator | None = None
+    """The draft randomness, derived from the request seed so seeded runs repeat."""
+    vocab_limit: int | None = None
+    """The target's vocabulary size: a sampling minion draws only below it, because a
+    sampled token the target cannot embed could not be dropped without bias."""
 
 
 @dataclass(slots=True)
@@ -36,11 +52,16 @@ class CandidateTree:
 
     Parents always come before their children. `logprobs[i]` is the minion's
     cumulative log-probability of the path root -> i, used as its vote.
+
+    `draws` marks sampled proposals: parent node (-1 = the root) -> the distribution
+    its children were drawn from, without replacement, in node order (the first child
+    is the first draw). Children of any other node are deterministic proposals.
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    draws: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -56,6 +77,21 @@ class CandidateTree:
         for p in self.parents:
             depths.append(1 if p < 0 else depths[p] + 1)
         return max(depths, default=0)
+
+
+RANK_ACCEPT = 0.8
+"""Static guess of how often a first-drawn sample is accepted; each later draw at the
+same node is guessed half as likely as the one before."""
+
+
+def rank_log_score(rank: int) -> float:
+    """Log of the static score factor of a node's `rank`-th draw (1-based).
+
+    Sampled trees are shaped by these scores alone, never by the drawn tokens or
+    their probabilities: which draws are kept must not depend on their values, or the
+    kept draws would no longer follow the distribution they were drawn from.
+    """
+    return math.log(RANK_ACCEPT) + (rank - 1) * math.log(0.5)
 
 
 @runtime_checkable

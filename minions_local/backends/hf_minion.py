@@ -4,6 +4,12 @@ Each forward pass expands the `width` most probable frontier nodes at once (a
 tree-masked batch), so a tree of depth D costs about D small passes; width 1 is a
 plain draft chain. Nodes added in the last round are never run: their scores come
 from their parents' distributions, and nobody will expand them this step.
+
+When the target samples (budget.sampling is set), each expanded node's children are
+instead *drawn* without replacement from the minion's distribution under the same
+temperature/top-k/top-p, and the tree grows best-first on a static score of the draw
+ranks (base.rank_log_score): its shape never depends on what was drawn, which is
+what lets the verifier accept a draw with probability min(1, p/q) (accept.py).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import itertools
 import numpy as np
 import torch
 
-from .base import CandidateTree, GrowBudget
+from ..speculation.accept import processed_probs
+from .base import CandidateTree, GrowBudget, rank_log_score
 from .compact import CompactModel, supports
 
 
@@ -51,15 +58,22 @@ class HFMinion:
         root_logits = runner.extend(pending)[-1]
         base_pos = len(context) - 1  # the root's position
         order = itertools.count()  # tie-breaker: earlier candidates first
-        frontier: list[tuple[float, int, int, int, float, int]] = []
+        # (-priority, tie, parent, token, path logprob, depth, priority). Greedy: the
+        # priority is the path logprob; sampled: the static score of the draw ranks.
+        frontier: list[tuple[float, int, int, int, float, int, float]] = []
+        priority_of: dict[int, float] = {-1: 0.0}
 
         def offer(logits: torch.Tensor, parent: int, parent_lp: float, depth: int) -> None:
             if depth > budget.max_depth:
                 return
-            lp = torch.log_softmax(logits, dim=-1)
-            top = torch.topk(lp, min(budget.top_k, lp.shape[-1]))
-            for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                heapq.heappush(frontier, (-(parent_lp + v), next(order), parent, t, parent_lp + v, depth))
+            if budget.sampling is None:
+                for t, v in _top_children(logits, budget.top_k):
+                    prio = parent_lp + v
+                    heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth, prio))
+                return
+            for rank, (t, v) in enumerate(_drawn_children(logits, budget, tree, parent), start=1):
+                prio = priority_of[parent] + rank_log_score(rank)
+                heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth, prio))
 
         offer(root_logits, -1, 0.0, 1)
         anc = np.zeros((budget.max_nodes, budget.max_nodes), dtype=bool)
@@ -67,8 +81,9 @@ class HFMinion:
         while frontier and len(tree) < budget.max_nodes:
             batch = []
             while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
-                _, _, parent, token, lp, depth = heapq.heappop(frontier)
+                _, _, parent, token, lp, depth, prio = heapq.heappop(frontier)
                 node = tree.add(token, parent, lp)
+                priority_of[node] = prio
                 if parent >= 0:
                     anc[node] = anc[parent]
                 anc[node, node] = True
@@ -81,9 +96,42 @@ class HFMinion:
                                   [depths[n] for n in batch], base_pos)
             for row, node in enumerate(batch):
                 offer(logits[row], node, tree.logprobs[node], depths[node] + 1)
+        # One distribution per parent that kept a child (each is vocab floats).
+        kept_parents = set(tree.parents)
+        tree.draws = {p: q for p, q in tree.draws.items() if p in kept_parents}
         return tree
 
     def commit(self, accepted: list[int]) -> None:
         # Nothing to keep eagerly: the next grow() keeps the longest common prefix and
         # re-runs the few accepted tokens in the same pass as the new root.
         pass
+
+
+def _top_children(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most probable tokens with their log-probabilities, best first."""
+    lp = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(lp, min(k, lp.shape[-1]))
+    return list(zip(top.indices.tolist(), top.values.tolist()))
+
+
+def _drawn_children(logits: torch.Tensor, budget: GrowBudget, tree: CandidateTree,
+                    parent: int) -> list[tuple[int, float]]:
+    """Up to top_k tokens drawn without replacement from the minion's processed
+    distribution q, in draw order, with their log q; records q as `parent`'s draws.
+
+    Gumbel-top-k: sorting log q + Gumbel noise gives a draw-without-replacement order,
+    so the i-th token follows q with the first i-1 removed and renormalized.
+    """
+    if budget.vocab_limit is not None:
+        logits = logits[..., :budget.vocab_limit]
+    q = processed_probs(logits, budget.sampling)
+    tokens = draw_without_replacement(q, budget.top_k, budget.generator)
+    tree.draws[parent] = q
+    return list(zip(tokens, torch.log(q[tokens]).tolist()))
+
+
+def draw_without_replacement(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """Up to k distinct tokens from q, in draw order (fewer when q has fewer tokens)."""
+    uniform = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    keys = torch.log(q.double()) - torch.log(-torch.log(uniform))
+    return torch.topk(keys, min(k, int((q > 0).sum()))).indices.tolist()

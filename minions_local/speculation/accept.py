@@ -3,12 +3,36 @@
 Greedy: follow the target's argmax down the tree; the first argmax that is not a
 child is the bonus token. This is token-identical to the target decoding alone.
 
-Sampling: at each node draw from the target's processed distribution and descend
-when the draw is a child (SpecExec's rule). The tree is fixed before the target's
-randomness is used, so the committed sequence is distributed exactly as if the
-target had sampled one token at a time: each token is a draw from the target's
-distribution given the tokens before it; the tree only decides how many of those
-draws one pass can serve.
+Sampling: multi-draft recursive rejection sampling (SpecInfer's multi-step
+speculative sampling). At a node the verifier walks the node's ordered draft
+entries (x_i, q_i) with p_1 = the target's processed distribution there:
+
+    accept x_i with probability min(1, p_i(x_i) / q_i(x_i))  -> descend into x_i;
+    otherwise p_{i+1} = normalize(max(p_i - q_i, 0)) and try the next entry;
+    when every entry is rejected, the bonus token is drawn from p_{k+1}.
+
+A deterministic entry has q_i = delta(x_i): it is accepted with probability p_i(x_i)
+and rejecting it removes x_i. With deterministic entries only, this is SpecExec's
+rule (draw from the target, descend if the draw is a child) in another order.
+
+Why it is exact: if x_i ~ q_i, one round outputs x with probability
+min(p_i(x), q_i(x)) and rejects with probability r = sum_x max(p_i(x) - q_i(x), 0), so
+P(output x) = min(p_i, q_i)(x) + r * P(later rounds output x). By induction the
+later rounds output p_{i+1} = max(p_i - q_i, 0) / r, and the sum is p_i(x). What
+this needs is that each sampled x_i follows q_i given everything earlier in the
+order and given that it is in the tree:
+
+- a minion draws a node's children without replacement, so its i-th draw has
+  q_i = its distribution q with its earlier draws there removed and renormalized
+  (computed here from the node's earlier entries with the same draft);
+- which draws are kept depends only on ranks and depths (base.rank_log_score,
+  vote.source_shares), never on the drawn tokens or their probabilities;
+- minions draw independently; entries follow the order the minions ran in, and
+  deterministic entries come last (they may be chosen in view of the draws);
+- the tree is fixed before the target's randomness is used.
+
+Each committed token is then a draw from the target's distribution given the
+tokens before it; the tree only decides how many of those draws one pass serves.
 """
 
 from __future__ import annotations
@@ -77,13 +101,71 @@ def accept(
     node = 0
     while True:
         row = logits[node]
+        capped = max_accept is not None and len(path) - 1 >= max_accept
         if params.greedy:
             token = int(torch.argmax(row))
+            child = None if capped else tree.children[node].get(token)
+        elif capped:
+            token = int(torch.multinomial(processed_probs(row, params), 1, generator=generator))
+            child = None
         else:
-            probs = processed_probs(row, params)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        child = tree.children[node].get(token)
-        if child is None or (max_accept is not None and len(path) - 1 >= max_accept):
+            child, token = verify_node(tree, node, processed_probs(row, params), generator)
+        if child is None:
             return path, token
         path.append(child)
         node = child
+
+
+RESIDUAL_EPS = 1e-6
+"""Below this rejection mass p_i and q_i agree up to rounding: in exact arithmetic a
+rejection has probability r (~0), and its residual would be rounding noise."""
+
+
+def verify_node(tree: TokenTree, node: int, target_probs: torch.Tensor,
+                generator: torch.Generator | None) -> tuple[int | None, int]:
+    """Recursive rejection sampling over `node`'s draft entries.
+
+    Returns (the accepted child, its token) or (None, the bonus token from the
+    final residual).
+    """
+    p = target_probs.double()
+    drawn_before: dict[int, list[int]] = {}  # draft -> its tokens already walked here
+    for token, draft in tree.draft_entries(node):
+        if draft < 0:
+            q = None
+        else:
+            q = draft_distribution(tree.drafts[draft], drawn_before.setdefault(draft, []), p.shape[-1])
+            drawn_before[draft].append(token)
+        residual = _rejection_residual(p, q, token)
+        mass = float(residual.sum())
+        q_token = 1.0 if q is None else float(q[token])
+        # u < p/q, written without the division (q_token > 0 for any drawn token).
+        if mass <= RESIDUAL_EPS or _uniform(generator) * q_token < float(p[token]):
+            return tree.children[node][token], token
+        p = residual / mass
+    return None, int(torch.multinomial(p, 1, generator=generator))
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def draft_distribution(q: torch.Tensor, drawn: list[int], vocab: int) -> torch.Tensor:
+    """What a without-replacement draw followed: q without the earlier draws, renormalized
+    (padded or cut to the target's vocabulary)."""
+    q = q.double()
+    if q.shape[-1] < vocab:
+        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+    q = q[:vocab].clone()
+    if drawn:
+        q[drawn] = 0.0
+    return q / q.sum()
+
+
+def _rejection_residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """max(p - q, 0), unnormalized: its sum is the probability of rejecting."""
+    if q is None:
+        residual = p.clone()
+        residual[token] = 0.0
+        return residual
+    return (p - q).clamp_(min=0.0)

@@ -8,7 +8,7 @@ offload-aware cost model is one such policy (cost.py); the simple ones live here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from ..events import StepRecord
 
@@ -26,15 +26,22 @@ class StepBudget:
     """Expected grow time, each minion weighted by how often it has been running."""
     grow_overhead: float = 0.0
     """Predicted seconds of voting and bookkeeping, whoever grows."""
-    grow_by_minion: tuple[tuple[str, float], ...] = ()
-    """Predicted grow seconds of each minion, were it to run this step."""
+    grow_models: tuple = ()
+    """Per minion, its grow-time model: `.name`, and `(nodes, depth, width) -> seconds`."""
 
-    def predicted_grow_for(self, ran: list[str]) -> float | None:
-        """The grow time predicted for the minions that did run (the selector decides
-        that during the step; the step record compares this with what was measured)."""
-        if not self.grow_by_minion:
+    def predicted_grow_for(self, nodes_by_minion: Mapping[str, int]) -> float | None:
+        """The grow time predicted for the minions that did run, each with the nodes
+        it was given (the selector decides who runs during the step; when sampling,
+        each minion grows its share). The step record compares this with the clock."""
+        if not self.grow_models:
             return self.predicted_t_grow
-        return self.grow_overhead + sum(t for name, t in self.grow_by_minion if name in ran)
+        total = self.grow_overhead
+        for g in self.grow_models:
+            nodes = nodes_by_minion.get(g.name, 0)
+            if nodes > 0 and self.depth > 0:
+                depth = min(self.depth, nodes)
+                total += g(nodes, depth, _width_for(nodes, depth))
+        return total
 
 
 class BudgetPolicy(Protocol):

@@ -87,11 +87,9 @@ class CostModelBudget:
         expected = self._expected_model()
         c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
                                  max_depth=depth_cap, top_k=self.top_k)
-        width = max(1, c.width)
-        each = tuple((g.name, g(c.nodes, c.depth, width)) for g in self.model.grow)
-        return StepBudget(nodes=c.nodes, depth=c.depth, width=width, predicted_t_verify=c.t_verify,
+        return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), predicted_t_verify=c.t_verify,
                           predicted_t_grow=c.t_grow, grow_overhead=self.model.step_overhead,
-                          grow_by_minion=each)
+                          grow_models=self.model.grow)
 
     def _expected_model(self) -> CostModel:
         """The model with each minion's grow time weighted by how often it runs."""
@@ -135,11 +133,13 @@ class CostModelBudget:
 
 def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[tuple[int, float]]]:
     """Per minion, (width, seconds per pass): the time it spent growing over the passes
-    its budget asked for (one per level of depth)."""
+    its nodes asked for (one per level of depth)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for record, budget in grown:
         for name, seconds in record.minion_t_grow.items():
-            out.setdefault(name, []).append((budget.width, seconds / budget.depth))
+            nodes = record.minion_nodes.get(name, budget.nodes)
+            depth = max(1, min(budget.depth, nodes))
+            out.setdefault(name, []).append((-(-nodes // depth), seconds / depth))
     return out
 
 

@@ -3,6 +3,10 @@
 The decoder knows nothing about text: it moves token ids and returns a stats record
 per target pass. With no minions (or a zero budget) the tree is the root alone and
 a step is exactly one autoregressive target step, through the same code.
+
+Greedy steps take the top-N of the merged tree. Sampled steps let the minions draw
+their proposals (each within its own share of the budget, see vote.py) with a draft
+generator derived from the request's, and verify the merged tree whole (accept.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .accept import SamplingParams, accept
 from .budget import BudgetPolicy, StepBudget
 from .tree import TokenTree
 from .selection import MinionSelector, expected_accepted
-from .vote import merge_proposals
+from .vote import merge_proposals, source_shares
 
 
 @dataclass
@@ -86,7 +90,7 @@ class Decoder:
         budget = self.policy.choose(remaining, sampled=sampled) if self.minions else StepBudget(0, 0, 1)
         t_policy = time.perf_counter() - t0
         weights = self.selector.weights()
-        tree, ran, grow_seconds = self._grow(context, budget, weights)
+        tree, ran, grow_seconds, allowed = self._grow(context, budget, weights, params, generator)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         logits = self.target.verify(context, tree)
@@ -106,33 +110,57 @@ class Decoder:
             minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
             minion_t_grow={m.name: t for m, t, r in zip(self.minions, grow_seconds, ran) if r},
             predicted_t_verify=budget.predicted_t_verify,
-            predicted_t_grow=budget.predicted_grow_for([m.name for m, r in zip(self.minions, ran) if r]),
+            minion_nodes={m.name: n for m, n, r in zip(self.minions, allowed, ran) if r},
+            predicted_t_grow=budget.predicted_grow_for({m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}),
             sampled=sampled, t_policy=t_policy,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
-    def _grow(self, context: list[int], budget: StepBudget,
-              weights: list[float]) -> tuple[TokenTree, list[bool], list[float]]:
+    def _grow(self, context: list[int], budget: StepBudget, weights: list[float], params: SamplingParams,
+              generator: torch.Generator | None) -> tuple[TokenTree, list[bool], list[float], list[int]]:
+        """The voted tree; which minions ran, their seconds and the nodes each was allowed."""
         n = len(self.minions)
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
-            return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n
-        grow_budget = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width,
-                                 top_k=self.top_k)
+            return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n, [0] * n
         ran = self.selector.choose()
+        if params.greedy:
+            shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
+            budgets = [shared] * n
+        else:
+            budgets = self._sampled_budgets(budget, weights, ran, params, generator)
         proposals: list[CandidateTree | None] = [None] * n
         seconds = [0.0] * n
         expected = 0.0
+        run_order: list[int] = []
         for m in self.selector.order():
             if not ran[m] or not self.selector.still_needed(m, expected):
                 ran[m] = False
                 continue
             start = time.perf_counter()
-            proposals[m] = self.minions[m].grow(context, grow_budget)
+            proposals[m] = self.minions[m].grow(context, budgets[m])
             seconds[m] = time.perf_counter() - start
+            run_order.append(m)
             expected = max(expected, expected_accepted(proposals[m]))
-        merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
-        return merged.select(budget.nodes, budget.depth), ran, seconds
+        allowed = [b.max_nodes for b in budgets]
+        if params.greedy:
+            merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
+            return merged.select(budget.nodes, budget.depth), ran, seconds, allowed
+        # Each minion grew only its share: no selection after merging (vote.py says why).
+        merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size, run_order)
+        return merged, ran, seconds, allowed
+
+    def _sampled_budgets(self, budget: StepBudget, weights: list[float], ran: list[bool], params: SamplingParams,
+                         generator: torch.Generator | None) -> list[GrowBudget]:
+        """Per minion: its share of the nodes, the sampling settings and the draft generator."""
+        shares = source_shares(weights, ran, budget.nodes, budget.depth, self.top_k)
+        # The drafts' own stream, seeded from the request's so a seeded run repeats.
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        drafts = torch.Generator().manual_seed(seed)
+        return [GrowBudget(max_nodes=share, max_depth=budget.depth, width=max(1, -(-share // budget.depth)),
+                           top_k=self.top_k, sampling=params, generator=drafts,
+                           vocab_limit=self.target.vocab_size)
+                for share in shares]
 
 
 def _spare_core(target: HFTarget) -> bool:

@@ -86,7 +86,11 @@ class MinionSelector:
 
     def order(self) -> list[int]:
         """Cheapest first (unmeasured first of all), so a costly minion can see what
-        the cheap ones already proposed."""
+        the cheap ones already proposed. Without adaptive skipping nobody looks, and
+        the fixed order keeps sampled drafts (whose entry order follows this) from
+        depending on timings."""
+        if not self.adaptive:
+            return list(range(len(self.stats)))
         return sorted(range(len(self.stats)), key=lambda m: self.stats[m].cost or 0.0)
 
     def still_needed(self, m: int, expected_so_far: float) -> bool:

@@ -4,6 +4,12 @@ Node 0 is the *root*: the last committed token, which no model has run yet. Ever
 other node is a draft token; parents always come before their children, so a
 prefix of the node list is itself a valid tree. The same tree is packed for the
 target as one sequence with a tree attention mask and per-node positions.
+
+For sampled decoding a node may also list its *draft entries*: the ordered
+(token, draft) proposals the verifier walks (accept.py). `draft` indexes `drafts`,
+the distribution the token was drawn from; -1 is a deterministic proposal. Two
+entries may carry the same token (two minions drew it): both lead to one child.
+A node without recorded entries offers its children as deterministic proposals.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ class TokenTree:
     """Bitmask per node: bit m is set when minion m proposed the node."""
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
     """Per node: token id -> child node index."""
+    entries: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])
+    """Per node: ordered draft entries (token, draft index or -1 = deterministic)."""
+    drafts: list[torch.Tensor] = field(default_factory=list)
+    """Distributions that sampled entries were drawn from (one per minion and parent)."""
 
     @classmethod
     def from_root(cls, root_token: int) -> TokenTree:
@@ -58,8 +68,13 @@ class TokenTree:
         self.scores.append(float(score))
         self.proposers.append(proposers)
         self.children.append({})
+        self.entries.append([])
         self.children[parent][int(token)] = idx
         return idx
+
+    def draft_entries(self, node: int) -> list[tuple[int, int]]:
+        """What the verifier walks at `node`, in order."""
+        return self.entries[node] or [(token, -1) for token in self.children[node]]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to `node`, inclusive."""

@@ -1,9 +1,9 @@
 """Trees, voting, masks, positions, acceptance and cache edits, without real models."""
 
-import pytest
 import math
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 

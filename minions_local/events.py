@@ -41,8 +41,9 @@ class StepRecord:
     predicted_t_grow: float | None = None
     """The cost model's prediction for t_grow, when a cost model chose the budget: for
     the minions that ran (the selector may skip some), each predicted before it grew."""
-    sampled: bool = False
-    """The request sampled (temperature > 0): its acceptance differs from greedy."""
+    regime: str = "greedy"
+    """'greedy', 'sampled' (the minions drew their drafts) or 'seeded' (sampling with a
+    seed: fixed drafts, reproducible): each accepts a different share of a tree."""
     t_policy: float = 0.0
     """Seconds the budget policy took to choose this step's tree size."""
     tree: "TreeSnapshot | None" = None

@@ -15,6 +15,8 @@ Greedy (T=0) is unchanged: 1.29 / 1.78 / 2.69 with 3 prompts.
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import sys
 from pathlib import Path
 
@@ -30,10 +32,13 @@ from minions_local.speculation.budget import FixedBudget  # noqa: E402
 from minions_local.speculation.decode import Decoder  # noqa: E402
 
 
-def mean_accepted(engine: Engine, prompts, temperature: float, tokens: int) -> float:
+def mean_accepted(engine: Engine, prompts, temperature: float, tokens: int, seeded: bool) -> float:
+    """Accepted draft tokens per pass. Seeded requests keep fixed drafts (SpecExec's rule,
+    reproducible); unseeded ones draw their drafts (random.seed keeps them repeatable)."""
     steps = []
     for i, p in enumerate(prompts):
-        gen = engine.generate(p.ids, max_new_tokens=tokens, temperature=temperature, seed=i)
+        random.seed(i)
+        gen = engine.generate(p.ids, max_new_tokens=tokens, temperature=temperature, seed=i if seeded else None)
         steps += [s.accepted for s in gen.steps]
     return sum(steps) / len(steps)
 
@@ -54,12 +59,18 @@ def main() -> None:
         "all FixedBudget(32,12)": (minions, FixedBudget(32, 12)),
     }
     print("minions:", [m.name for m in minions])
+    result: dict = {"bench": "sampled_accept", "prompts": len(prompts), "tokens": args.tokens, "accepted_per_pass": {}}
     for label, (ms, policy) in shapes.items():
         decoder = Decoder(base.decoder.target, ms, policy, top_k=8, selection="all")
         engine = Engine(decoder, base.tokenizer)
+        row = result["accepted_per_pass"][label] = {}
         for t in (float(x) for x in args.temperatures.split(",")):
-            print(f"{label:28s} T={t:.1f}  accepted/step {mean_accepted(engine, prompts, t, args.tokens):.2f}",
-                  flush=True)
+            for seeded in ((False,) if t == 0 else (False, True)):
+                regime = "greedy" if t == 0 else "seeded" if seeded else "sampled"
+                value = mean_accepted(engine, prompts, t, args.tokens, seeded)
+                row[f"{regime} T={t:g}"] = round(value, 3)
+                print(f"{label:28s} {regime:8s} T={t:.1f}  accepted/step {value:.2f}", flush=True)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

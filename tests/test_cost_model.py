@@ -175,7 +175,7 @@ def test_policy_learns_the_machine_and_the_minions():
                                   t_verify=truth(b.nodes), depth=b.depth, minion_t_grow={"m": minion},
                                   predicted_t_verify=b.predicted_t_verify,
                                   predicted_t_grow=b.predicted_grow_for({"m": b.nodes})))
-    assert policy.acceptance == pytest.approx(0.8, abs=0.12)
+    assert policy.rates["greedy"] == pytest.approx(0.8, abs=0.12)
     assert policy.model.t_verify(64) == pytest.approx(truth(64), rel=0.1)
     for width in (1, 4, 16):
         assert policy.model.grow[0].pass_seconds(width) == pytest.approx(2 * prior_grow.pass_seconds(width),
@@ -198,15 +198,16 @@ def test_policy_calibrates_greedy_and_sampled_requests_apart():
     rng = random.Random(2)
     for i in range(128):
         sampled = i % 2 == 1
-        b = policy.choose(remaining_tokens=1000, sampled=sampled)
+        b = policy.choose(remaining_tokens=1000, regime="sampled" if sampled else "greedy")
         gains, _ = expected_accepted((0.3 if sampled else 0.85,), b.nodes, b.depth)
         mean = gains[min(b.nodes, len(gains) - 1)]  # a draw with exactly the model's mean
         accepted = int(mean) + (rng.random() < mean - int(mean))
         policy.observe(StepRecord(tree_size=b.nodes, accepted=accepted, t_grow=0.01, t_verify=prior.t_verify(b.nodes),
-                                  depth=b.depth, sampled=sampled, minion_t_grow={"m": 0.009}))
-    assert policy.acceptance == pytest.approx(0.85, abs=0.08)
-    assert policy.sampled_acceptance == pytest.approx(0.3, abs=0.08)
-    greedy, sampled = policy.choose(1000), policy.choose(1000, sampled=True)
+                                  depth=b.depth, regime="sampled" if sampled else "greedy", minion_t_grow={"m": 0.009}))
+    assert policy.rates["greedy"] == pytest.approx(0.85, abs=0.08)
+    assert policy.rates["sampled"] == pytest.approx(0.3, abs=0.08)
+    assert policy.rates["seeded"] == 0.5  # no seeded steps seen: still the starting estimate
+    greedy, sampled = policy.choose(1000), policy.choose(1000, regime="sampled")
     assert sampled.nodes < greedy.nodes  # less is accepted, so a smaller tree pays
 
 

@@ -105,9 +105,12 @@ def accept(
         if params.greedy:
             token = int(torch.argmax(row))
             child = None if capped else tree.children[node].get(token)
-        elif capped:
+        elif capped or not tree.has_drawn_entries(node):
+            # Fixed drafts only: draw from the target and descend if the draw is a child
+            # (SpecExec's rule). One draw per committed token, whatever the tree: a
+            # seeded run's output cannot depend on what the minions proposed.
             token = int(torch.multinomial(processed_probs(row, params), 1, generator=generator))
-            child = None
+            child = None if capped else tree.children[node].get(token)
         else:
             child, token = verify_node(tree, node, processed_probs(row, params), generator)
         if child is None:

@@ -44,10 +44,16 @@ class StepBudget:
         return total
 
 
+REGIMES = ("greedy", "sampled", "seeded")
+"""How a request decodes, which sets how much of a tree the target accepts:
+greedy (temperature 0); sampled (the minions draw their drafts too); seeded (sampling
+with a seed: the drafts stay the minions' top tokens, so the output cannot depend on
+the tree and the seed reproduces it, at a lower acceptance)."""
+
+
 class BudgetPolicy(Protocol):
-    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
-        """`sampled`: this request samples (temperature > 0), which accepts fewer
-        tokens than greedy decoding from the same trees."""
+    def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
+        """`regime`: one of REGIMES (acceptance differs between them)."""
         ...
 
     def observe(self, record: StepRecord) -> None: ...
@@ -65,7 +71,7 @@ class FixedBudget:
     nodes: int = 32
     depth: int = 8
 
-    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
+    def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = self.nodes if depth else 0
         return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
@@ -88,7 +94,7 @@ class AdaptiveDepth:
     min_depth: int = 2
     max_depth: int = 16
 
-    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
+    def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = max(self.nodes, depth) if depth else 0
         return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))

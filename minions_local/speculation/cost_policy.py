@@ -13,8 +13,8 @@ What it learns from the records, every `refit_every` steps over the last `window
 - participation: how often each minion ran (the selector skips minions that do not
   pay); the budget is chosen for the expected grow time, and the step record gets the
   prediction for the minions that did run;
-- acceptance, separately for greedy and sampled requests (sampling accepts less from
-  the same tree): the single rate `a` for which the acceptance model's expected
+- acceptance, separately per regime (greedy, sampled, seeded: each accepts a
+  different share of the same tree): the single rate `a` for which the acceptance model's expected
   accepted length, summed over the trees actually verified, equals what was accepted.
   This calibrates the model to the trees the minions really grow. An estimate.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..events import StepRecord
-from .budget import StepBudget
+from .budget import REGIMES, StepBudget
 from .cost import CostModel, expected_accepted
 
 
@@ -40,9 +40,7 @@ class CostModelBudget:
     max_depth: int = 16
     top_k: int = 8
     acceptance: float = 0.7
-    """Greedy requests' top-1 acceptance rate: a starting estimate, then calibrated."""
-    sampled_acceptance: float | None = None
-    """The same for sampled requests (None: start from `acceptance`)."""
+    """Starting estimate of the minions' top-1 acceptance rate, in every regime."""
     window: int = 64
     refit_every: int = 8
     _prior: CostModel | None = field(default=None, repr=False)
@@ -52,13 +50,14 @@ class CostModelBudget:
     _participation: dict = field(default_factory=dict, repr=False)
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
+    rates: dict = field(default_factory=dict)
+    """Calibrated acceptance rate per regime (budget.REGIMES)."""
 
     def __post_init__(self) -> None:
         self._prior = self.model
         self._steps = deque(maxlen=self.window)
         self._budgets = deque(maxlen=self.window)
-        if self.sampled_acceptance is None:
-            self.sampled_acceptance = self.acceptance
+        self.rates = {regime: self.acceptance for regime in REGIMES} | self.rates
 
     @classmethod
     def from_profile(cls, profile, plan=None, **kwargs) -> "CostModelBudget":
@@ -68,7 +67,7 @@ class CostModelBudget:
                       top_k=spec.top_k)
         return cls(CostModel.from_profile(profile, plan), **{**limits, **kwargs})
 
-    def choose(self, remaining_tokens: int, sampled: bool = False) -> StepBudget:
+    def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth_cap = max(0, min(self.max_depth, remaining_tokens - 1))
         if depth_cap == 0:
             self._last = StepBudget(nodes=0, depth=0, width=1, predicted_t_verify=self.model.t_verify(0),
@@ -76,14 +75,14 @@ class CostModelBudget:
             return self._last
         # The answer only changes when the model is refit: between refits, reuse it
         # (the search is ~1 ms of Python, a few percent of a small step).
-        key = (depth_cap, sampled)
+        key = (depth_cap, regime)
         if key not in self._chosen:
-            self._chosen[key] = self._best(depth_cap, sampled)
+            self._chosen[key] = self._best(depth_cap, regime)
         self._last = self._chosen[key]
         return self._last
 
-    def _best(self, depth_cap: int, sampled: bool) -> StepBudget:
-        rate = self.sampled_acceptance if sampled else self.acceptance
+    def _best(self, depth_cap: int, regime: str) -> StepBudget:
+        rate = self.rates[regime]
         expected = self._expected_model()
         c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
                                  max_depth=depth_cap, top_k=self.top_k)
@@ -119,15 +118,11 @@ class CostModelBudget:
         if grown:
             names = [g.name for g in model.grow]
             self._participation = {n: sum(n in r.minion_t_grow for r, _ in grown) / len(grown) for n in names}
-        for sampled in (False, True):
+        for regime in REGIMES:
             trees = [(r.tree_size, r.depth, r.accepted) for r in steps
-                     if r.tree_size > 0 and r.depth > 0 and r.sampled == sampled]
+                     if r.tree_size > 0 and r.depth > 0 and r.regime == regime]
             if trees:
-                rate = calibrate_acceptance(trees, self.top_k)
-                if sampled:
-                    self.sampled_acceptance = rate
-                else:
-                    self.acceptance = rate
+                self.rates[regime] = calibrate_acceptance(trees, self.top_k)
         self._chosen.clear()
 
 

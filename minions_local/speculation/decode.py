@@ -82,15 +82,21 @@ class Decoder:
             m.reset()
 
     def step(self, context: list[int], params: SamplingParams, generator: torch.Generator | None,
-             remaining: int) -> StepResult:
+             remaining: int, *, reproducible: bool = False) -> StepResult:
         """One target pass over a voted tree below context[-1]; `remaining` >= 1 caps
-        how many tokens this step may commit."""
+        how many tokens this step may commit.
+
+        reproducible: when sampling, keep the drafts the minions' top tokens, so that
+        the committed tokens depend only on `generator` (a seeded request repeats
+        exactly, whatever the engine has learned); otherwise the minions draw their
+        drafts, which the target accepts far more often."""
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
-        sampled = not params.greedy
-        budget = self.policy.choose(remaining, sampled=sampled) if self.minions else StepBudget(0, 0, 1)
+        regime = "greedy" if params.greedy else "seeded" if reproducible else "sampled"
+        budget = self.policy.choose(remaining, regime=regime) if self.minions else StepBudget(0, 0, 1)
         t_policy = time.perf_counter() - t0
         weights = self.selector.weights()
-        tree, ran, grow_seconds, allowed = self._grow(context, budget, weights, params, generator)
+        tree, ran, grow_seconds, allowed = self._grow(context, budget, weights,
+                                                      None if regime != "sampled" else params, generator)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         logits = self.target.verify(context, tree)
@@ -112,23 +118,26 @@ class Decoder:
             predicted_t_verify=budget.predicted_t_verify,
             minion_nodes={m.name: n for m, n, r in zip(self.minions, allowed, ran) if r},
             predicted_t_grow=budget.predicted_grow_for({m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}),
-            sampled=sampled, t_policy=t_policy,
+            regime=regime, t_policy=t_policy,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
-    def _grow(self, context: list[int], budget: StepBudget, weights: list[float], params: SamplingParams,
+    def _grow(self, context: list[int], budget: StepBudget, weights: list[float], draws: SamplingParams | None,
               generator: torch.Generator | None) -> tuple[TokenTree, list[bool], list[float], list[int]]:
-        """The voted tree; which minions ran, their seconds and the nodes each was allowed."""
+        """The voted tree; which minions ran, their seconds and the nodes each was allowed.
+
+        draws: the sampling settings the minions draw their drafts with (None: each
+        proposes its most probable tokens)."""
         n = len(self.minions)
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
             return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n, [0] * n
         ran = self.selector.choose()
-        if params.greedy:
+        if draws is None:
             shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
             budgets = [shared] * n
         else:
-            budgets = self._sampled_budgets(budget, weights, ran, params, generator)
+            budgets = self._sampled_budgets(budget, weights, ran, draws, generator)
         proposals: list[CandidateTree | None] = [None] * n
         seconds = [0.0] * n
         expected = 0.0
@@ -143,7 +152,7 @@ class Decoder:
             run_order.append(m)
             expected = max(expected, expected_accepted(proposals[m]))
         allowed = [b.max_nodes for b in budgets]
-        if params.greedy:
+        if draws is None:
             merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
             return merged.select(budget.nodes, budget.depth), ran, seconds, allowed
         # Each minion grew only its share: no selection after merging (vote.py says why).

@@ -72,6 +72,10 @@ class TokenTree:
         self.children[parent][int(token)] = idx
         return idx
 
+    def has_drawn_entries(self, node: int) -> bool:
+        """Whether any draft entry at `node` was drawn by a minion (not a fixed pick)."""
+        return any(draft >= 0 for _, draft in self.entries[node])
+
     def draft_entries(self, node: int) -> list[tuple[int, int]]:
         """What the verifier walks at `node`, in order."""
         return self.entries[node] or [(token, -1) for token in self.children[node]]

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 # How many samples' worth of confidence the prior carries (per coefficient).
 PRIOR_WEIGHT = 0.25
 _EPS = 1e-6  # seconds: the scale for a prior coefficient of zero
+MAX_SPLITS = 12
 
 
 def _solve_line(
@@ -62,9 +63,10 @@ def fit_hinge(
 ) -> tuple[float, float, float]:
     """(flat, base, slope) of y = max(flat, base + slope*x) from (x, y) samples.
 
-    Tries every split of the samples (sorted by x) into a flat part and a sloped part,
+    Tries splits of the samples (sorted by x) into a flat part and a sloped part,
     fits each by weighted ridge least squares, and keeps the split with the least
-    total cost. A few dozen samples make that a few thousand cheap sums.
+    total cost. Splits are taken at up to MAX_SPLITS evenly spaced ranks: the policy
+    refits every few steps, and every split would cost a few ms of Python each time.
     """
     pts = sorted((float(x), float(y)) for x, y in samples if y > 0)
     if not pts:
@@ -72,7 +74,9 @@ def fit_hinge(
     y_mean = sum(y for _, y in pts) / len(pts)
     x_mean = max(sum(x for x, _ in pts) / len(pts), 1e-9)
     best: tuple[float, tuple[float, float, float]] | None = None
-    for k in range(len(pts) + 1):
+    n = len(pts)
+    splits = sorted({round(i * n / MAX_SPLITS) for i in range(MAX_SPLITS + 1)}) if n > MAX_SPLITS else range(n + 1)
+    for k in splits:
         flat_part, slope_part = pts[:k], pts[k:]
         flat = _fit_constant([y for _, y in flat_part], prior[0], weight, y_mean)
         if slope_part:

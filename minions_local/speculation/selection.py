@@ -119,14 +119,17 @@ class MinionSelector:
             if not ran[m]:
                 s.skipped += m not in deferred
                 continue
-            gained = marginal_tokens(tree, path, m)
-            if s.skipped:  # it was retried after a pause: was it worth it this time?
-                worthless = gained * self.seconds_per_token < (s.cost or 0.0)
-                s.backoff = min(s.backoff * 2, 32) if worthless else 4
+            retried = s.skipped > 0
             s.skipped = 0
             s.record = _ema(s.record, counts[m], self.decay)
-            s.marginal = _ema(s.marginal, gained, self.decay)
+            s.marginal = _ema(s.marginal, marginal_tokens(tree, path, m), self.decay)
             s.cost = _ema(s.cost, grow_seconds[m], self.decay)
+            if retried:  # it was retried after a pause: is it worth its time now?
+                # Judged on the averages, not this one step: one lucky step of a slow
+                # minion must not bring back a run of costly steps (measured: retries
+                # of 5 ms minions took 18% of the RAM tier's step time).
+                worthless = s.marginal * self.seconds_per_token < s.cost
+                s.backoff = min(s.backoff * 2, 32) if worthless else 4
         return counts
 
 

@@ -248,3 +248,58 @@ def test_autotune_measurements_replace_the_guesses():
     assert measured.verify.slope == pytest.approx(6 * 0.0001, rel=0.01)  # per layer x 6 layers
     assert measured.t_verify(0) >= 6 * 0.0011
     assert measured.verify != guess.verify
+
+
+def simulate_trials(rng, a, decay, n, offered=8):
+    """Which child the target takes at n nodes, under the model's own rank law."""
+    trials = []
+    for _ in range(n):
+        taken = 0
+        for rank in range(1, offered + 1):
+            if rng.random() < a * decay ** (rank - 1):
+                taken = rank
+                break
+        trials.append((offered, taken))
+    return trials
+
+
+def test_rank_acceptance_is_fitted_from_which_child_the_target_took():
+    from minions_local.speculation.cost_policy import fit_rank_acceptance
+
+    rng = random.Random(4)
+    for a, decay in [(0.8, 0.2), (0.5, 0.7), (0.3, 0.5)]:
+        fa, fd = fit_rank_acceptance(simulate_trials(rng, a, decay, 3000))
+        assert fa == pytest.approx(a, abs=0.05) and fd == pytest.approx(decay, abs=0.12)
+
+
+def test_siblings_that_rarely_win_make_the_policy_grow_narrower_trees():
+    # Every verified node costs (no flat region to fill for free), growing is cheap.
+    prior = CostModel(VerifyTime(flat=0.0, base=0.01, slope=0.0003), (GrowTime("m", 0.0002, 0.00001),))
+    depths = {}
+    for decay in (0.1, 0.9):
+        policy = CostModelBudget(prior, max_nodes=64, max_depth=16, acceptance=0.6, refit_every=4)
+        rng = random.Random(5)
+        for _ in range(8):
+            b = policy.choose(1000)
+            policy.observe(StepRecord(tree_size=b.nodes, accepted=1, t_grow=0.002, t_verify=prior.t_verify(b.nodes),
+                                      depth=b.depth, minion_t_grow={"m": 0.0019},
+                                      rank_trials=simulate_trials(rng, 0.6, decay, 40)))
+        assert policy.decays["greedy"] == pytest.approx(decay, abs=0.15)
+        b = policy.choose(1000)
+        depths[decay] = b.nodes / b.depth  # nodes per level
+    assert depths[0.1] <= 1.5 < 2 <= depths[0.9]  # (nearly) a chain, against a bushy tree
+
+
+def test_rank_trials_read_the_verified_tree():
+    from minions_local.speculation.decode import rank_trials
+    from minions_local.speculation.tree import TokenTree
+
+    tree = TokenTree.from_root(1)
+    a = tree.add(0, 10, 0.6)
+    b = tree.add(0, 11, 0.3)
+    c = tree.add(a, 12, 0.2)
+    tree.add(a, 13, 0.4)
+    assert rank_trials(tree, [0, b]) == [(2, 2)]  # the leaf b offered nothing after
+    assert rank_trials(tree, [0, a, c]) == [(2, 1), (2, 2)]
+    assert rank_trials(tree, [0, a]) == [(2, 1), (2, 0)]
+    assert rank_trials(tree, [0, a], capped=True) == [(2, 1)]  # a length limit is no rejection

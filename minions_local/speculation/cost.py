@@ -144,8 +144,12 @@ class CostModel:
         max_nodes: int = 256,
         max_depth: int = 16,
         top_k: int = 8,
+        sibling_decay: float = SIBLING_DECAY,
     ) -> BudgetChoice:
         """The (nodes, depth) maximising E[accepted + 1] / (t_grow + t_verify).
+
+        sibling_decay: how much less likely each next-ranked child is (see
+        expected_accepted); calibrated online, it decides deep-narrow vs shallow-wide.
 
         Depth caps are searched too: a shallower tree needs fewer minion passes, which
         matters when growing is not cheap next to verifying.
@@ -157,14 +161,14 @@ class CostModel:
         per_token = sum(g.per_token for g in self.grow)
         best_rate, best_n, best_cap = -1.0, 0, 1
         for cap in _depth_caps(max_depth):
-            gains, depths = expected_accepted(key, max_nodes, cap, top_k)
+            gains, depths = expected_accepted(key, max_nodes, cap, top_k, sibling_decay)
             for n in range(min(min_nodes, len(gains) - 1), len(gains)):
                 d = depths[n]
                 grow = self.step_overhead + d * (base + per_token * -(-n // d)) if n else 0.0
                 rate = (gains[n] + 1) / (grow + t_verify[n])
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best_n, best_cap = rate, n, cap
-        gains, depths = expected_accepted(key, max_nodes, best_cap, top_k)
+        gains, depths = expected_accepted(key, max_nodes, best_cap, top_k, sibling_decay)
         return self._choice(best_n, depths[best_n], gains[best_n])
 
     def best_verify_size(

@@ -14,20 +14,24 @@ What it learns from the records, every `refit_every` steps over the last `window
   pay); the budget is chosen for the expected grow time, and the step record gets the
   prediction for the minions that did run;
 - acceptance, separately per regime (greedy, sampled, seeded: each accepts a
-  different share of the same tree): the single rate `a` for which the acceptance model's expected
-  accepted length, summed over the trees actually verified, equals what was accepted.
-  This calibrates the model to the trees the minions really grow. An estimate.
+  different share of the same tree): the acceptance model's two numbers, the chance
+  `a` that the best-voted child is the target's token and the `decay` of each next
+  rank, fitted by maximum likelihood to which child the target took at each node
+  (StepRecord.rank_trials). They decide deep-narrow against shallow-wide trees.
+  Records without rank trials fall back to the single rate for which the model's
+  expected accepted length, summed over the trees verified, equals what was accepted.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..events import StepRecord
 from .budget import REGIMES, StepBudget
-from .cost import CostModel, expected_accepted
+from .cost import SIBLING_DECAY, CostModel, expected_accepted
 
 
 @dataclass
@@ -52,12 +56,15 @@ class CostModelBudget:
     _last: StepBudget | None = field(default=None, repr=False)
     rates: dict = field(default_factory=dict)
     """Calibrated acceptance rate per regime (budget.REGIMES)."""
+    decays: dict = field(default_factory=dict)
+    """Calibrated sibling decay per regime."""
 
     def __post_init__(self) -> None:
         self._prior = self.model
         self._steps = deque(maxlen=self.window)
         self._budgets = deque(maxlen=self.window)
         self.rates = {regime: self.acceptance for regime in REGIMES} | self.rates
+        self.decays = {regime: SIBLING_DECAY for regime in REGIMES} | self.decays
 
     @classmethod
     def from_profile(cls, profile, plan=None, **kwargs) -> "CostModelBudget":
@@ -85,7 +92,7 @@ class CostModelBudget:
         rate = self.rates[regime]
         expected = self._expected_model()
         c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
-                                 max_depth=depth_cap, top_k=self.top_k)
+                                 max_depth=depth_cap, top_k=self.top_k, sibling_decay=self.decays[regime])
         return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), predicted_t_verify=c.t_verify,
                           predicted_t_grow=c.t_grow, grow_overhead=self.model.step_overhead,
                           grow_models=self.model.grow)
@@ -119,10 +126,13 @@ class CostModelBudget:
             names = [g.name for g in model.grow]
             self._participation = {n: sum(n in r.minion_t_grow for r, _ in grown) / len(grown) for n in names}
         for regime in REGIMES:
-            trees = [(r.tree_size, r.depth, r.accepted) for r in steps
-                     if r.tree_size > 0 and r.depth > 0 and r.regime == regime]
-            if trees:
-                self.rates[regime] = calibrate_acceptance(trees, self.top_k)
+            mine = [r for r in steps if r.tree_size > 0 and r.depth > 0 and r.regime == regime]
+            trials = [t for r in mine for t in r.rank_trials]
+            if trials:
+                self.rates[regime], self.decays[regime] = fit_rank_acceptance(trials, self.top_k)
+            elif mine:
+                self.rates[regime] = calibrate_acceptance([(r.tree_size, r.depth, r.accepted) for r in mine],
+                                                          self.top_k, self.decays[regime])
         self._chosen.clear()
 
 
@@ -138,7 +148,8 @@ def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[t
     return out
 
 
-def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8) -> float:
+def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8,
+                         sibling_decay: float = SIBLING_DECAY) -> float:
     """The rate a with sum_i E[accepted | a, nodes_i, depth_i] = sum_i accepted_i.
 
     trees: (nodes, depth, accepted) of verified trees. Bisection: E grows with a.
@@ -153,7 +164,7 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8) -> f
     def predicted(a: float) -> float:
         total = 0.0
         for depth, sizes in by_depth.items():
-            gains, _ = expected_accepted((round(a, 2),), max(sizes), depth, top_k)
+            gains, _ = expected_accepted((round(a, 2),), max(sizes), depth, top_k, sibling_decay)
             total += sum(gains[min(n, len(gains) - 1)] for n in sizes)
         return total
 
@@ -169,3 +180,41 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8) -> f
         else:
             hi = mid
     return round((lo + hi) / 2, 2)
+
+
+_RATE_GRID = [i / 100 for i in range(2, 100, 2)]
+_DECAY_GRID = [i / 100 for i in range(5, 100, 5)]
+
+
+def fit_rank_acceptance(trials: list[tuple[int, int]], top_k: int = 8) -> tuple[float, float]:
+    """(a, decay) maximising the likelihood of which child the target took.
+
+    Model (cost.expected_accepted): given that ranks 1..r-1 were not the target's
+    token, rank r is with probability a * decay**(r-1). A trial (k offered, rank r)
+    tested ranks 1..r (r = 0: all k, none taken). Counting, per rank, how often it was
+    tested and taken makes the likelihood a product over at most top_k ranks, so a
+    grid search costs a few thousand multiplications.
+    """
+    tested = [0] * (top_k + 1)
+    taken = [0] * (top_k + 1)
+    for offered, rank in trials:
+        for i in range(1, min(rank or offered, top_k) + 1):
+            tested[i] += 1
+        if 0 < rank <= top_k:
+            taken[rank] += 1
+    ranks = [(i, taken[i], tested[i] - taken[i]) for i in range(1, top_k + 1) if tested[i]]
+    if not ranks:
+        return 0.7, SIBLING_DECAY
+    if len(ranks) == 1:  # chains: nothing says how siblings compare
+        _, hit, miss = ranks[0]
+        return min(max((hit + 0.5) / (hit + miss + 1), 0.01), 0.99), SIBLING_DECAY
+    best, best_ll = (0.7, SIBLING_DECAY), -math.inf
+    for a in _RATE_GRID:
+        for d in _DECAY_GRID:
+            ll = 0.0
+            for i, hit, miss in ranks:
+                p = a * d ** (i - 1)
+                ll += hit * math.log(p) + miss * math.log1p(-p)
+            if ll > best_ll:
+                best, best_ll = (a, d), ll
+    return best

@@ -118,7 +118,7 @@ class Decoder:
             predicted_t_verify=budget.predicted_t_verify,
             minion_nodes={m.name: n for m, n, r in zip(self.minions, allowed, ran) if r},
             predicted_t_grow=budget.predicted_grow_for({m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}),
-            regime=regime, t_policy=t_policy,
+            regime=regime, t_policy=t_policy, rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1),
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
@@ -170,6 +170,20 @@ class Decoder:
                            top_k=self.top_k, sampling=params, generator=drafts,
                            vocab_limit=self.target.vocab_size)
                 for share in shares]
+
+
+def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[tuple[int, int]]:
+    """What each node on the accepted path offered the target: (children, rank by vote
+    score of the one it took, 0 = none). `capped`: the walk stopped at a length limit,
+    so the last node's outcome says nothing about its children."""
+    trials = []
+    for i, node in enumerate(path):
+        children = sorted(tree.children[node].values(), key=lambda c: -tree.scores[c])
+        if not children or (capped and i == len(path) - 1):
+            break
+        taken = path[i + 1] if i + 1 < len(path) else None
+        trials.append((len(children), children.index(taken) + 1 if taken is not None else 0))
+    return trials
 
 
 def _spare_core(target: HFTarget) -> bool:

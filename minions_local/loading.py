@@ -106,7 +106,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     if progress:
         progress(LoadProgress(path.name, "device", 0, total, "loading"))
     model = load_causal_lm(path, f"minion {index}", dtype, device, quantization=spec.quantization)
-    minion = HFMinion(model, name=path.name)
+    minion = HFMinion(model, name=path.name, release_weights=True)
     if progress:
         progress(LoadProgress(path.name, "device", total, total, "ready"))
     return minion

@@ -25,7 +25,9 @@ def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
         tiers["device"] = _model_bytes(target.model)
     for m in engine.minions:
         model = getattr(m, "model", None)
-        if model is not None and hasattr(model, "parameters"):
+        if hasattr(m, "weight_bytes"):
+            tiers["device"] = tiers.get("device", 0) + m.weight_bytes()  # the compact forward's own copies
+        elif model is not None and hasattr(model, "parameters"):
             tiers["device"] = tiers.get("device", 0) + _model_bytes(model)
     return tiers
 

@@ -93,3 +93,20 @@ def test_minion_forward_is_close_to_transformers(families, arch):
     tree.add(tree.add(0, 51), 53)
     args = (tree.tokens, tree.ancestor_matrix(), tree.depths, len(prompt))
     assert torch.allclose(ref.forward(*args), fast.forward(*args), atol=1e-3)
+
+
+def test_loaded_minions_hold_their_weights_once(monkeypatch):
+    """The loader's minions give the module copies back; a big tied head stays shared."""
+    from minions_local.backends import compact
+
+    model = random_model(tiny_config("llama"), 5).to(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as small Llama 3 models are
+    plain = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(compact, "TIED_HEAD_COPY", 0)  # every tied head counts as big here
+    minion = HFMinion(model, "m", release_weights=True)
+    decoder = minion.runner.decoder
+    assert model.model.layers[0].self_attn.q_proj.weight.numel() == 0
+    assert decoder.lm_head is decoder.embed and decoder.head_linear is torch.nn.functional.linear
+    assert minion.weight_bytes() == pytest.approx(plain, rel=0.05)
+    logits = minion.runner.extend(list(range(3, 20)))
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()

@@ -38,6 +38,8 @@ class CompactDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.head_linear = None
+        """The lm_head's matmul when it differs from the layers' (None: the same)."""
         self.exact = exact
         """False: fewer, cheaper ops whose rounding differs from transformers (minions)."""
         self.linear = F.linear
@@ -104,8 +106,11 @@ class CompactDecoder:
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_weight(layer[name])
-        self.lm_head = pack_weight(self.lm_head)
         self.linear = packed_linear
+        if self.lm_head is not self.embed or self.lm_head.numel() * self.lm_head.element_size() <= TIED_HEAD_COPY:
+            self.lm_head = pack_weight(self.lm_head)
+        else:  # a tied head is the embedding, which lookups need plain: no big second copy
+            self.head_linear = F.linear
 
     # --- cache edits (same contract as backends.hf.CachedModel) ------------------------
 
@@ -159,7 +164,7 @@ class CompactDecoder:
             x = x + self.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
         self.length = end
         x = self._rms(x, self.norm_w)
-        return self.linear(x[0], self.lm_head).float()
+        return (self.head_linear or self.linear)(x[0], self.lm_head).float()
 
 
 def supports(model) -> bool:
@@ -178,6 +183,11 @@ def supports(model) -> bool:
     if any(m is None or not hasattr(m, "weight") for m in needed):
         return False
     return all(m.bias is None for m in needed[3:])
+
+
+TIED_HEAD_COPY = 64 << 20
+"""Bytes up to which a tied lm_head gets a packed copy of its own (a 128k-token
+vocabulary's head is hundreds of MB: it stays shared with the embedding)."""
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -31,13 +31,22 @@ from .hf import CachedModel
 
 
 class HFMinion:
-    def __init__(self, model, name: str, compact: bool = True) -> None:
+    def __init__(self, model, name: str, compact: bool = True, release_weights: bool = False) -> None:
+        """release_weights: with the compact forward, drop the transformers modules'
+        copies of the fused weights (the loader owns the model, so it may)."""
         # The compact forward is the same math with a fraction of the framework
         # overhead, which is most of a small model's time; transformers runs the rest.
         self.runner: CachedModel = CompactMinion(model) if compact and supports(model) else CachedModel(model)
+        if release_weights and isinstance(self.runner, CompactModel):
+            self.runner.decoder.release_module_weights(model)
         self.model = model
         self.name = name
         self.vocab_size = self.runner.vocab_size
+
+    def weight_bytes(self) -> int:
+        if isinstance(self.runner, CompactModel):
+            return self.runner.weight_bytes()
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def reset(self) -> None:
         self.runner.reset()

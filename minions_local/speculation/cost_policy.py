@@ -90,17 +90,19 @@ class CostModelBudget:
 
     def _best(self, depth_cap: int, regime: str) -> StepBudget:
         rate = self.rates[regime]
-        expected = self._expected_model()
+        expected = self._expected_model(regime)
         c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
                                  max_depth=depth_cap, top_k=self.top_k, sibling_decay=self.decays[regime])
         return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), predicted_t_verify=c.t_verify,
                           predicted_t_grow=c.t_grow, grow_overhead=self.model.step_overhead,
                           grow_models=self.model.grow)
 
-    def _expected_model(self) -> CostModel:
-        """The model with each minion's grow time weighted by how often it runs."""
+    def _expected_model(self, regime: str = "greedy") -> CostModel:
+        """The model with each minion's grow time weighted by how often it runs (in this
+        regime: the selector learns each one apart)."""
+        runs = self._participation.get(regime, {})
         grow = tuple(replace(g, base=g.base * p, per_token=g.per_token * p)
-                     for g in self.model.grow for p in [self._participation.get(g.name, 1.0)])
+                     for g in self.model.grow for p in [runs.get(g.name, 1.0)])
         return replace(self.model, grow=grow)
 
     def observe(self, record: StepRecord) -> None:
@@ -122,9 +124,11 @@ class CostModelBudget:
         if overheads:
             model = replace(model, step_overhead=max(median(overheads), 0.0))
         self.model = model
-        if grown:
-            names = [g.name for g in model.grow]
-            self._participation = {n: sum(n in r.minion_t_grow for r, _ in grown) / len(grown) for n in names}
+        names = [g.name for g in model.grow]
+        for regime in REGIMES:
+            mine = [r for r, _ in grown if r.regime == regime]
+            if mine:
+                self._participation[regime] = {n: sum(n in r.minion_t_grow for r in mine) / len(mine) for n in names}
         for regime in REGIMES:
             mine = [r for r in steps if r.tree_size > 0 and r.depth > 0 and r.regime == regime]
             trials = [t for r in mine for t in r.rank_trials]

@@ -45,7 +45,11 @@ class Decoder:
         self.policy = policy
         self.top_k = top_k
         self.keep_trees = keep_trees
-        self.selector = MinionSelector.for_mode([m.name for m in minions], selection)
+        self.selection = selection
+        self.selectors: dict[str, MinionSelector] = {}
+        """One per regime: which minion pays differs between greedy and sampled decoding
+        (the n-gram minion's exact repeats, say, are worth less against sampling)."""
+        self.selector = self._selector("greedy")
 
     def prefill(self, context: list[int]) -> None:
         """Bring every model's cache up to the prompt (reusing what each already has).
@@ -75,6 +79,11 @@ class Decoder:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
 
+    def _selector(self, regime: str) -> MinionSelector:
+        if regime not in self.selectors:
+            self.selectors[regime] = MinionSelector.for_mode([m.name for m in self.minions], self.selection)
+        return self.selectors[regime]
+
     def reset(self) -> None:
         """Drop every cache (after an interrupted step the caches may be half-written)."""
         self.target.reset()
@@ -94,6 +103,7 @@ class Decoder:
         regime = "greedy" if params.greedy else "seeded" if reproducible else "sampled"
         budget = self.policy.choose(remaining, regime=regime) if self.minions else StepBudget(0, 0, 1)
         t_policy = time.perf_counter() - t0
+        self.selector = self._selector(regime)
         weights = self.selector.weights()
         tree, ran, grow_seconds, allowed = self._grow(context, budget, weights,
                                                       None if regime != "sampled" else params, generator)

@@ -44,9 +44,10 @@ class StepRecord:
     regime: str = "greedy"
     """'greedy', 'sampled' (the minions drew their drafts) or 'seeded' (sampling with a
     seed: fixed drafts, reproducible): each accepts a different share of a tree."""
-    rank_trials: list[tuple[int, int]] = field(default_factory=list)
-    """Per node on the accepted path that had children: (children offered, rank by vote
-    score of the child the target took, 0 = none). What acceptance by rank is fitted to."""
+    rank_trials: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per node on the accepted path that had children: (their depth, children offered,
+    rank by vote score of the child the target took, 0 = none). What acceptance by depth
+    and rank is fitted to."""
     t_policy: float = 0.0
     """Seconds the budget policy took to choose this step's tree size."""
     tree: "TreeSnapshot | None" = None

@@ -250,7 +250,7 @@ def test_autotune_measurements_replace_the_guesses():
     assert measured.verify != guess.verify
 
 
-def simulate_trials(rng, a, decay, n, offered=8):
+def simulate_trials(rng, a, decay, n, offered=8, depth=1):
     """Which child the target takes at n nodes, under the model's own rank law."""
     trials = []
     for _ in range(n):
@@ -259,7 +259,7 @@ def simulate_trials(rng, a, decay, n, offered=8):
             if rng.random() < a * decay ** (rank - 1):
                 taken = rank
                 break
-        trials.append((offered, taken))
+        trials.append((depth, offered, taken))
     return trials
 
 
@@ -268,8 +268,12 @@ def test_rank_acceptance_is_fitted_from_which_child_the_target_took():
 
     rng = random.Random(4)
     for a, decay in [(0.8, 0.2), (0.5, 0.7), (0.3, 0.5)]:
-        fa, fd = fit_rank_acceptance(simulate_trials(rng, a, decay, 3000))
+        (fa,), fd = fit_rank_acceptance(simulate_trials(rng, a, decay, 3000))
         assert fa == pytest.approx(a, abs=0.05) and fd == pytest.approx(decay, abs=0.12)
+    # a path that got deep is likelier to go on (repetitive text): one rate per depth
+    trials = simulate_trials(rng, 0.5, 0.3, 2000) + simulate_trials(rng, 0.9, 0.3, 2000, depth=2)
+    rates, decay = fit_rank_acceptance(trials)
+    assert rates == (pytest.approx(0.5, abs=0.05), pytest.approx(0.9, abs=0.05)) and decay == pytest.approx(0.3, abs=0.12)
 
 
 def test_siblings_that_rarely_win_make_the_policy_grow_narrower_trees():
@@ -285,6 +289,7 @@ def test_siblings_that_rarely_win_make_the_policy_grow_narrower_trees():
                                       depth=b.depth, minion_t_grow={"m": 0.0019},
                                       rank_trials=simulate_trials(rng, 0.6, decay, 40)))
         assert policy.decays["greedy"] == pytest.approx(decay, abs=0.15)
+        assert policy.rates["greedy"] == (pytest.approx(0.6, abs=0.1),)
         b = policy.choose(1000)
         depths[decay] = b.nodes / b.depth  # nodes per level
     assert depths[0.1] <= 1.5 < 2 <= depths[0.9]  # (nearly) a chain, against a bushy tree
@@ -299,7 +304,7 @@ def test_rank_trials_read_the_verified_tree():
     b = tree.add(0, 11, 0.3)
     c = tree.add(a, 12, 0.2)
     tree.add(a, 13, 0.4)
-    assert rank_trials(tree, [0, b]) == [(2, 2)]  # the leaf b offered nothing after
-    assert rank_trials(tree, [0, a, c]) == [(2, 1), (2, 2)]
-    assert rank_trials(tree, [0, a]) == [(2, 1), (2, 0)]
-    assert rank_trials(tree, [0, a], capped=True) == [(2, 1)]  # a length limit is no rejection
+    assert rank_trials(tree, [0, b]) == [(1, 2, 2)]  # the leaf b offered nothing after
+    assert rank_trials(tree, [0, a, c]) == [(1, 2, 1), (2, 2, 2)]
+    assert rank_trials(tree, [0, a]) == [(1, 2, 1), (2, 2, 0)]
+    assert rank_trials(tree, [0, a], capped=True) == [(1, 2, 1)]  # a length limit is no rejection

@@ -14,10 +14,12 @@ What it learns from the records, every `refit_every` steps over the last `window
   pay); the budget is chosen for the expected grow time, and the step record gets the
   prediction for the minions that did run;
 - acceptance, separately per regime (greedy, sampled, seeded: each accepts a
-  different share of the same tree): the acceptance model's two numbers, the chance
-  `a` that the best-voted child is the target's token and the `decay` of each next
-  rank, fitted by maximum likelihood to which child the target took at each node
-  (StepRecord.rank_trials). They decide deep-narrow against shallow-wide trees.
+  different share of the same tree): the acceptance model's numbers, the chance
+  `a_d` that the best-voted child at depth d is the target's token (given that the
+  path reached its parent: in repetitive text, the deeper a path got, the likelier
+  it goes on) and the `decay` of each next rank, fitted by maximum likelihood to
+  which child the target took at each node (StepRecord.rank_trials). They decide
+  deep-narrow against shallow-wide trees.
   Records without rank trials fall back to the single rate for which the model's
   expected accepted length, summed over the trees verified, equals what was accepted.
 """
@@ -55,7 +57,7 @@ class CostModelBudget:
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
     rates: dict = field(default_factory=dict)
-    """Calibrated acceptance rate per regime (budget.REGIMES)."""
+    """Calibrated acceptance per regime (budget.REGIMES): a rate, or one per depth."""
     decays: dict = field(default_factory=dict)
     """Calibrated sibling decay per regime."""
 
@@ -188,37 +190,55 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8,
 
 _RATE_GRID = [i / 100 for i in range(2, 100, 2)]
 _DECAY_GRID = [i / 100 for i in range(5, 100, 5)]
+MAX_FITTED_DEPTH = 8
+"""Depths beyond this share the last fitted rate (few trees reach them)."""
+MIN_TRIALS_PER_DEPTH = 12
 
 
-def fit_rank_acceptance(trials: list[tuple[int, int]], top_k: int = 8) -> tuple[float, float]:
-    """(a, decay) maximising the likelihood of which child the target took.
+def fit_rank_acceptance(trials: list[tuple[int, int, int]], top_k: int = 8) -> tuple[tuple[float, ...], float]:
+    """((a_1, a_2, ...), decay) maximising the likelihood of which child the target took.
 
-    Model (cost.expected_accepted): given that ranks 1..r-1 were not the target's
-    token, rank r is with probability a * decay**(r-1). A trial (k offered, rank r)
-    tested ranks 1..r (r = 0: all k, none taken). Counting, per rank, how often it was
-    tested and taken makes the likelihood a product over at most top_k ranks, so a
-    grid search costs a few thousand multiplications.
+    Model (cost.expected_accepted): at depth d, given that ranks 1..r-1 were not the
+    target's token, rank r is with probability a_d * decay**(r-1). A trial (depth,
+    k offered, rank r) tested ranks 1..r (r = 0: all k, none taken). Counting per
+    rank how often it was tested and taken makes each likelihood a product over at
+    most top_k ranks: the decay is fitted over all depths, then each depth's a_d (a
+    depth with few trials takes the rate of all depths).
     """
+    overall = _rank_counts(trials, top_k)
+    if not overall:
+        return (0.7,), SIBLING_DECAY
+    if len(overall) == 1:  # chains only: nothing says how siblings compare
+        _, hit, miss = overall[0]
+        return (min(max((hit + 0.5) / (hit + miss + 1), 0.02), 0.98),), SIBLING_DECAY
+    a_all, decay = max(((a, d) for a in _RATE_GRID for d in _DECAY_GRID),
+                       key=lambda ad: _log_likelihood(overall, *ad))
+    rates = []
+    for depth in range(1, MAX_FITTED_DEPTH + 1):
+        mine = [t for t in trials if t[0] == depth] if depth < MAX_FITTED_DEPTH else \
+            [t for t in trials if t[0] >= depth]
+        if len(mine) < MIN_TRIALS_PER_DEPTH:
+            break
+        counts = _rank_counts(mine, top_k)
+        rates.append(max(_RATE_GRID, key=lambda a: _log_likelihood(counts, a, decay)))
+    return tuple(rates) or (a_all,), decay
+
+
+def _rank_counts(trials: list[tuple[int, int, int]], top_k: int) -> list[tuple[int, int, int]]:
+    """(rank, times taken, times tested and passed over) for each rank ever tested."""
     tested = [0] * (top_k + 1)
     taken = [0] * (top_k + 1)
-    for offered, rank in trials:
+    for _, offered, rank in trials:
         for i in range(1, min(rank or offered, top_k) + 1):
             tested[i] += 1
         if 0 < rank <= top_k:
             taken[rank] += 1
-    ranks = [(i, taken[i], tested[i] - taken[i]) for i in range(1, top_k + 1) if tested[i]]
-    if not ranks:
-        return 0.7, SIBLING_DECAY
-    if len(ranks) == 1:  # chains: nothing says how siblings compare
-        _, hit, miss = ranks[0]
-        return min(max((hit + 0.5) / (hit + miss + 1), 0.01), 0.99), SIBLING_DECAY
-    best, best_ll = (0.7, SIBLING_DECAY), -math.inf
-    for a in _RATE_GRID:
-        for d in _DECAY_GRID:
-            ll = 0.0
-            for i, hit, miss in ranks:
-                p = a * d ** (i - 1)
-                ll += hit * math.log(p) + miss * math.log1p(-p)
-            if ll > best_ll:
-                best, best_ll = (a, d), ll
-    return best
+    return [(i, taken[i], tested[i] - taken[i]) for i in range(1, top_k + 1) if tested[i]]
+
+
+def _log_likelihood(counts: list[tuple[int, int, int]], a: float, decay: float) -> float:
+    ll = 0.0
+    for i, hit, miss in counts:
+        p = a * decay ** (i - 1)
+        ll += hit * math.log(p) + miss * math.log1p(-p)
+    return ll

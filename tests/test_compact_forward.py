@@ -55,10 +55,11 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
     model = random_model(tiny_config("llama"), 3).to(dtype)
     ref = HFTarget(random_model(tiny_config("llama"), 3).to(dtype))
     target = resident_target(model)
-    assert isinstance(target, CompactTarget)
-    if dtype == torch.bfloat16:
-        assert packing_is_exact(dtype, torch.device("cpu"))  # the prepacked matmuls are in use
-        assert target.decoder.linear is not torch.nn.functional.linear
+    # Which wrapper is a property of the CPU (the load-time check decides); on this
+    # project's machines it is the compact one, prepacked in bf16. Either must be exact.
+    compact = isinstance(target, CompactTarget)
+    if compact and dtype == torch.bfloat16:
+        assert (target.decoder.linear is not torch.nn.functional.linear) == packing_is_exact(dtype, torch.device("cpu"))
     context = list(range(3, 60))
     tree = TokenTree.from_root(context[-1])
     a = tree.add(0, 7)
@@ -68,9 +69,9 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
         assert torch.equal(ref.verify(context[:n], tree), target.verify(context[:n], tree))
         ref.commit(tree, [0, a])
         target.commit(tree, [0, a])
-    # the module's own copies were released: the weights are held once
-    assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
-    assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95
+    if compact:  # the module's own copies were released: the weights are held once
+        assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
+        assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95
 
 
 def test_resident_target_falls_back_where_the_compact_forward_is_not_exact(monkeypatch):
@@ -106,7 +107,9 @@ def test_loaded_minions_hold_their_weights_once(monkeypatch):
     minion = HFMinion(model, "m", release_weights=True)
     decoder = minion.runner.decoder
     assert model.model.layers[0].self_attn.q_proj.weight.numel() == 0
-    assert decoder.lm_head is decoder.embed and decoder.head_linear is torch.nn.functional.linear
+    assert decoder.lm_head is decoder.embed
+    if decoder.linear is not torch.nn.functional.linear:  # packed matmuls (where exact on this CPU)
+        assert decoder.head_linear is torch.nn.functional.linear
     assert minion.weight_bytes() == pytest.approx(plain, rel=0.05)
     logits = minion.runner.extend(list(range(3, 20)))
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()

@@ -54,6 +54,8 @@ class CostModelBudget:
     _budgets: deque = field(default_factory=deque, repr=False)
     _seen: int = 0
     _participation: dict = field(default_factory=dict, repr=False)
+    _grown: dict = field(default_factory=dict, repr=False)
+    """Per regime, its recent steps that verified a tree."""
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
     rates: dict = field(default_factory=dict)
@@ -110,6 +112,10 @@ class CostModelBudget:
     def observe(self, record: StepRecord) -> None:
         self._steps.append(record)
         self._budgets.append(self._last)
+        if record.tree_size > 0 and record.depth > 0:
+            # Acceptance is learned from each regime's own recent trees: a run of
+            # sampled requests must not push the greedy ones out of the window.
+            self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
         self._seen += 1
         if self._seen % self.refit_every == 0:
             self.refit()
@@ -127,12 +133,8 @@ class CostModelBudget:
             model = replace(model, step_overhead=max(median(overheads), 0.0))
         self.model = model
         names = [g.name for g in model.grow]
-        for regime in REGIMES:
-            mine = [r for r, _ in grown if r.regime == regime]
-            if mine:
-                self._participation[regime] = {n: sum(n in r.minion_t_grow for r in mine) / len(mine) for n in names}
-        for regime in REGIMES:
-            mine = [r for r in steps if r.tree_size > 0 and r.depth > 0 and r.regime == regime]
+        for regime, mine in self._grown.items():
+            self._participation[regime] = {n: sum(n in r.minion_t_grow for r in mine) / len(mine) for n in names}
             trials = [t for r in mine for t in r.rank_trials]
             if trials:
                 self.rates[regime], self.decays[regime] = fit_rank_acceptance(trials, self.top_k)

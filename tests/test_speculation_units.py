@@ -169,3 +169,60 @@ def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behi
             decoder.prefill([1, 2, 3])
         assert minion.done  # the worker finished before prefill returned or raised
         assert minion.thread is not threading.main_thread()
+
+
+def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
+    """The depth budget bounds the model minions' passes; the n-gram minion pays
+    nothing per level and follows a long repeat as far as the step allows."""
+    import torch
+
+    from minions_local.speculation.budget import StepBudget
+    from minions_local.speculation.decode import Decoder
+
+    class Policy:
+        def choose(self, remaining, regime="greedy"):
+            return StepBudget(nodes=8, depth=2, width=4, depth_cap=8)
+
+        def observe(self, record):
+            pass
+
+    class Recorder:
+        vocab_size = 50
+
+        def __init__(self, name, free):
+            self.name, self.depth_is_free, self.seen = name, free, []
+
+        def grow(self, context, budget):
+            self.seen.append(budget.max_depth)
+            tree = CandidateTree()
+            parent = -1
+            for i in range(budget.max_depth):
+                parent = tree.add(10 + i, parent, -0.01 * (i + 1))
+            return tree
+
+        def commit(self, accepted):
+            pass
+
+        def reset(self):
+            pass
+
+    class Target:
+        device, vocab_size = torch.device("cpu"), 50
+
+        def bytes_streamed(self):
+            return 0
+
+        def verify(self, context, tree):
+            logits = torch.zeros(len(tree), 50)
+            for i in range(len(tree)):
+                logits[i, 10 + tree.depths[i]] = 1.0  # the target follows the chain 10, 11, 12, ...
+            return logits
+
+        def commit(self, tree, path):
+            pass
+
+    model, ngram = Recorder("model", False), Recorder("ngram", True)
+    decoder = Decoder(Target(), [model, ngram], Policy(), selection="all")
+    result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
+    assert model.seen == [2] and ngram.seen == [8]
+    assert result.record.accepted == 8  # the deep chain survived the vote's selection

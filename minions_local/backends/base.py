@@ -116,6 +116,9 @@ class Minion(Protocol):
         """Forget all cached state."""
         ...
 
+    # Optional: `depth_is_free = True` on a minion whose grow time does not grow with
+    # depth (the n-gram minion); it then grows to the step's depth cap.
+
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share: what a cache can keep."""

@@ -151,6 +151,8 @@ class NGramMinion:
             raise ValueError("need 1 <= min_match <= max_match")
         self.name = name
         self.vocab_size = 0  # any: proposals are ids seen in the context or corpus
+        self.depth_is_free = True
+        """Its proposals cost nothing per level: it may grow deeper than the model minions."""
         self.max_match = max_match
         self.min_match = min_match
         self.max_occurrences = max_occurrences

@@ -21,6 +21,8 @@ class StepBudget:
     """Tree levels below the root at most."""
     width: int
     """Nodes each minion adds per forward pass while growing."""
+    depth_cap: int = 0
+    """How deep a minion whose depth is free (n-gram) may grow; 0: `depth`."""
     predicted_t_verify: float | None = None
     predicted_t_grow: float | None = None
     """Expected grow time, each minion weighted by how often it has been running."""

@@ -97,9 +97,9 @@ class CostModelBudget:
         expected = self._expected_model(regime)
         c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
                                  max_depth=depth_cap, top_k=self.top_k, sibling_decay=self.decays[regime])
-        return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), predicted_t_verify=c.t_verify,
-                          predicted_t_grow=c.t_grow, grow_overhead=self.model.step_overhead,
-                          grow_models=self.model.grow)
+        return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), depth_cap=depth_cap,
+                          predicted_t_verify=c.t_verify, predicted_t_grow=c.t_grow,
+                          grow_overhead=self.model.step_overhead, grow_models=self.model.grow)
 
     def _expected_model(self, regime: str = "greedy") -> CostModel:
         """The model with each minion's grow time weighted by how often it runs (in this

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -143,11 +143,16 @@ class Decoder:
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
             return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n, [0] * n
         ran = self.selector.choose()
+        deepest = max(budget.depth, budget.depth_cap)
         if draws is None:
             shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
             budgets = [shared] * n
         else:
             budgets = self._sampled_budgets(budget, weights, ran, draws, generator)
+        # A minion that pays nothing per level (n-gram) follows a long repeat as far as
+        # the step allows: the depth budget is there to bound the model minions' passes.
+        budgets = [replace(b, max_depth=deepest) if getattr(m, "depth_is_free", False) else b
+                   for b, m in zip(budgets, self.minions)]
         proposals: list[CandidateTree | None] = [None] * n
         seconds = [0.0] * n
         expected = 0.0
@@ -164,7 +169,7 @@ class Decoder:
         allowed = [b.max_nodes for b in budgets]
         if draws is None:
             merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
-            return merged.select(budget.nodes, budget.depth), ran, seconds, allowed
+            return merged.select(budget.nodes, deepest), ran, seconds, allowed
         # Each minion grew only its share: no selection after merging (vote.py says why).
         merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size, run_order)
         return merged, ran, seconds, allowed

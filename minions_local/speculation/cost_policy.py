@@ -56,6 +56,9 @@ class CostModelBudget:
     _participation: dict = field(default_factory=dict, repr=False)
     _grown: dict = field(default_factory=dict, repr=False)
     """Per regime, its recent steps that verified a tree."""
+    _added: dict = field(default_factory=dict, repr=False)
+    _fitted: dict = field(default_factory=dict, repr=False)
+    """Per regime: steps added so far, and that count at its last fit."""
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
     rates: dict = field(default_factory=dict)
@@ -116,6 +119,7 @@ class CostModelBudget:
             # Acceptance is learned from each regime's own recent trees: a run of
             # sampled requests must not push the greedy ones out of the window.
             self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
+            self._added[record.regime] = self._added.get(record.regime, 0) + 1
         self._seen += 1
         if self._seen % self.refit_every == 0:
             self.refit()
@@ -134,6 +138,9 @@ class CostModelBudget:
         self.model = model
         names = [g.name for g in model.grow]
         for regime, mine in self._grown.items():
+            if self._fitted.get(regime) == self._added.get(regime):
+                continue  # nothing new in this regime since its last fit
+            self._fitted[regime] = self._added.get(regime)
             self._participation[regime] = {n: sum(n in r.minion_t_grow for r in mine) / len(mine) for n in names}
             trials = [t for r in mine for t in r.rank_trials]
             if trials:
@@ -190,8 +197,10 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8,
     return round((lo + hi) / 2, 2)
 
 
-_RATE_GRID = [i / 100 for i in range(2, 100, 2)]
-_DECAY_GRID = [i / 100 for i in range(5, 100, 5)]
+def _grid(lo: float, hi: float, step: float) -> list[float]:
+    return [round(lo + i * step, 4) for i in range(int(round((hi - lo) / step)) + 1)]
+
+
 MAX_FITTED_DEPTH = 8
 """Depths beyond this share the last fitted rate (few trees reach them)."""
 MIN_TRIALS_PER_DEPTH = 12
@@ -213,8 +222,7 @@ def fit_rank_acceptance(trials: list[tuple[int, int, int]], top_k: int = 8) -> t
     if len(overall) == 1:  # chains only: nothing says how siblings compare
         _, hit, miss = overall[0]
         return (min(max((hit + 0.5) / (hit + miss + 1), 0.02), 0.98),), SIBLING_DECAY
-    a_all, decay = max(((a, d) for a in _RATE_GRID for d in _DECAY_GRID),
-                       key=lambda ad: _log_likelihood(overall, *ad))
+    a_all, decay = _best_pair(overall)
     rates = []
     for depth in range(1, MAX_FITTED_DEPTH + 1):
         mine = [t for t in trials if t[0] == depth] if depth < MAX_FITTED_DEPTH else \
@@ -222,8 +230,20 @@ def fit_rank_acceptance(trials: list[tuple[int, int, int]], top_k: int = 8) -> t
         if len(mine) < MIN_TRIALS_PER_DEPTH:
             break
         counts = _rank_counts(mine, top_k)
-        rates.append(max(_RATE_GRID, key=lambda a: _log_likelihood(counts, a, decay)))
+        coarse = max(_grid(0.05, 0.95, 0.05), key=lambda a: _log_likelihood(counts, a, decay))
+        rates.append(max(_grid(max(coarse - 0.04, 0.02), min(coarse + 0.04, 0.98), 0.01),
+                         key=lambda a: _log_likelihood(counts, a, decay)))
     return tuple(rates) or (a_all,), decay
+
+
+def _best_pair(counts: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """Grid search, coarse then fine around the best: ~300 likelihoods, not ~1000
+    (the policy refits every few steps)."""
+    a0, d0 = max(((a, d) for a in _grid(0.05, 0.95, 0.05) for d in _grid(0.1, 0.9, 0.1)),
+                 key=lambda ad: _log_likelihood(counts, *ad))
+    fine = [(a, d) for a in _grid(max(a0 - 0.04, 0.02), min(a0 + 0.04, 0.98), 0.01)
+            for d in _grid(max(d0 - 0.1, 0.05), min(d0 + 0.1, 0.95), 0.025)]
+    return max(fine, key=lambda ad: _log_likelihood(counts, *ad))
 
 
 def _rank_counts(trials: list[tuple[int, int, int]], top_k: int) -> list[tuple[int, int, int]]:

@@ -3,13 +3,13 @@
 The sampled-tree figures (issue: sampled drafts) come from this script: one shared
 target, engines that differ only in minions and budget, 3 held-out prompts, 64 tokens.
 
-Measured when sampled drafts landed (accepted draft tokens per pass, T=0.7;
-deterministic top-k trees with SpecExec's rule -> sampled trees with recursive
-rejection sampling), 3 prompts / 6 prompts:
-  one minion, 8 nodes        0.59 -> 2.10   /  0.70 -> 2.40
-  all minions, 8 nodes       0.56 -> 1.87   /  0.68 -> 2.00
-  all minions, 32 nodes      0.73 -> 3.80   /  0.94 -> 3.31
-Greedy (T=0) is unchanged: 1.29 / 1.78 / 2.69 with 3 prompts.
+Measured (accepted draft tokens per pass, T=0.7, 3 prompts; `seeded` keeps fixed drafts
+and SpecExec's rule so that a seed repeats exactly, `sampled` draws the drafts and
+verifies by recursive rejection sampling):
+  one minion, 8 nodes        seeded 0.59   sampled 2.49
+  all minions, 8 nodes       seeded 0.56   sampled 2.05
+  all minions, 32 nodes      seeded 0.73   sampled 3.09
+Greedy (T=0): 1.29 / 1.78 / 2.69.
 """
 
 from __future__ import annotations

@@ -57,19 +57,22 @@ def resident_target(model, release_weights: bool = True) -> HFTarget:
     """The fastest exact wrapper for a target whose layers all stay in memory.
 
     release_weights: drop the transformers modules' copies of the fused weights (the
-    model object can then no longer run on its own; the loader owns it, so it may)."""
-    if supports(model) and next(model.parameters()).device.type == "cpu" and _compact_is_exact(model):
+    model object can then no longer run on its own; the loader owns it, so it may).
+    While it loads, the compact forward's copies sit next to the model's own (peak
+    memory twice the weights) until they are released."""
+    if supports(model) and next(model.parameters()).device.type == "cpu":
         target = CompactTarget(model)
-        if release_weights:
-            target.decoder.release_module_weights(model)
-        return target
+        if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):
+            target.reset()  # the check's tokens are not the conversation's
+            if release_weights:
+                target.decoder.release_module_weights(model)
+            return target
     return HFTarget(model)
 
 
-def _compact_is_exact(model) -> bool:
+def _same_logits(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:
     """Run a prompt and then a branching tree on its cache through both forwards, and
     compare bits (matmul kernels pick their blocking by shape, so shapes vary)."""
-    vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
 
     def token() -> int:
@@ -79,5 +82,4 @@ def _compact_is_exact(model) -> bool:
     tree = TokenTree.from_root(prompt[-1])
     for _ in range(15):
         tree.add(int(torch.randint(0, len(tree), (1,), generator=g)), token())
-    reference, compact = HFTarget(model), CompactTarget(model)
     return all(torch.equal(reference.verify(prompt[:n], tree), compact.verify(prompt[:n], tree)) for n in (8, 24))

@@ -8,10 +8,6 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def _model_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
     tiers: dict[str, int] = {}
     target = engine.decoder.target
@@ -19,16 +15,11 @@ def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
     if stats is not None and hasattr(stats, "bytes_by_tier"):
         for tier, n in stats.bytes_by_tier().items():
             tiers[tier] = tiers.get(tier, 0) + n
-    elif hasattr(target, "weight_bytes"):
-        tiers["device"] = target.weight_bytes()  # the compact forward's own copies
     else:
-        tiers["device"] = _model_bytes(target.model)
+        tiers["device"] = target.weight_bytes()  # a compact target counts its own copies
     for m in engine.minions:
-        model = getattr(m, "model", None)
-        if hasattr(m, "weight_bytes"):
-            tiers["device"] = tiers.get("device", 0) + m.weight_bytes()  # the compact forward's own copies
-        elif model is not None and hasattr(model, "parameters"):
-            tiers["device"] = tiers.get("device", 0) + _model_bytes(model)
+        if hasattr(m, "weight_bytes"):  # model minions; GGUF and n-gram ones hold no torch weights
+            tiers["device"] = tiers.get("device", 0) + m.weight_bytes()
     return tiers
 
 

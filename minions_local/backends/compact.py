@@ -16,6 +16,8 @@ so decoding stays token-identical to the target run by transformers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -198,21 +200,16 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-_EXACT: dict[tuple, bool] = {}
-
-
 def packing_is_exact(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether prepacked oneDNN matmuls give bit-identical results to F.linear here.
 
     Checked once per dtype on this build: true for bf16 on x86 CPUs (both paths are
     oneDNN), false for fp32 (F.linear uses MKL there). Only exact packing is used, so
     a packed target still decodes token-identically to transformers."""
-    key = (dtype, device.type)
-    if key not in _EXACT:
-        _EXACT[key] = device.type == "cpu" and _packed_matches(dtype)
-    return _EXACT[key]
+    return device.type == "cpu" and _packed_matches(dtype)
 
 
+@functools.cache
 def _packed_matches(dtype: torch.dtype) -> bool:
     try:
         if not torch.backends.mkldnn.is_available():

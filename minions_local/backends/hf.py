@@ -134,6 +134,10 @@ class CachedModel:
     def cache_len(self) -> int:
         return self.cache.get_seq_length()
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights its forward reads."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def truncate(self, keep: int) -> None:
         """Drop every cache entry after the first `keep` (tree entries included)."""
         drop = self.cache_len - keep

@@ -44,9 +44,7 @@ class HFMinion:
         self.vocab_size = self.runner.vocab_size
 
     def weight_bytes(self) -> int:
-        if isinstance(self.runner, CompactModel):
-            return self.runner.weight_bytes()
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.runner.weight_bytes()
 
     def reset(self) -> None:
         self.runner.reset()

@@ -65,9 +65,9 @@ class HFMinion:
         root_logits = runner.extend(pending)[-1]
         base_pos = len(context) - 1  # the root's position
         order = itertools.count()  # tie-breaker: earlier candidates first
-        # (-priority, tie, parent, token, path logprob, depth, priority). Greedy: the
-        # priority is the path logprob; sampled: the static score of the draw ranks.
-        frontier: list[tuple[float, int, int, int, float, int, float]] = []
+        # (-priority, tie, parent, token, path logprob, depth). Greedy: the priority is
+        # the path logprob; sampled: the static score of the draw ranks.
+        frontier: list[tuple[float, int, int, int, float, int]] = []
         priority_of: dict[int, float] = {-1: 0.0}
 
         def offer(logits: torch.Tensor, parent: int, parent_lp: float, depth: int) -> None:
@@ -75,12 +75,11 @@ class HFMinion:
                 return
             if budget.sampling is None:
                 for t, v in _top_children(logits, budget.top_k):
-                    prio = parent_lp + v
-                    heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth, prio))
+                    heapq.heappush(frontier, (-(parent_lp + v), next(order), parent, t, parent_lp + v, depth))
                 return
             for rank, (t, v) in enumerate(_drawn_children(logits, budget, tree, parent), start=1):
                 prio = priority_of[parent] + rank_log_score(rank)
-                heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth, prio))
+                heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth))
 
         offer(root_logits, -1, 0.0, 1)
         anc = np.zeros((budget.max_nodes, budget.max_nodes), dtype=bool)
@@ -88,9 +87,9 @@ class HFMinion:
         while frontier and len(tree) < budget.max_nodes:
             batch = []
             while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
-                _, _, parent, token, lp, depth, prio = heapq.heappop(frontier)
+                neg_priority, _, parent, token, lp, depth = heapq.heappop(frontier)
                 node = tree.add(token, parent, lp)
-                priority_of[node] = prio
+                priority_of[node] = -neg_priority
                 if parent >= 0:
                     anc[node] = anc[parent]
                 anc[node, node] = True

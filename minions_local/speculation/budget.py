@@ -41,8 +41,7 @@ class StepBudget:
         for g in self.grow_models:
             nodes = nodes_by_minion.get(g.name, 0)
             if nodes > 0 and self.depth > 0:
-                depth = min(self.depth, nodes)
-                total += g(nodes, depth, _width_for(nodes, depth))
+                total += g(nodes, *grow_shape(nodes, self.depth))
         return total
 
 
@@ -61,9 +60,16 @@ class BudgetPolicy(Protocol):
     def observe(self, record: StepRecord) -> None: ...
 
 
-def _width_for(nodes: int, depth: int) -> int:
+def width_for(nodes: int, depth: int) -> int:
     # Spread the nodes over the levels: a budget of 32 at depth 8 grows 4 per pass.
     return max(1, -(-nodes // max(depth, 1)))
+
+
+def grow_shape(nodes: int, depth: int) -> tuple[int, int]:
+    """(passes, nodes per pass) of a minion growing `nodes` nodes at most `depth` deep:
+    one pass per level, never more levels than nodes."""
+    passes = max(1, min(depth, nodes))
+    return passes, width_for(nodes, passes)
 
 
 @dataclass
@@ -76,7 +82,7 @@ class FixedBudget:
     def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = self.nodes if depth else 0
-        return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
+        return StepBudget(nodes=nodes, depth=depth, width=width_for(nodes, depth))
 
     def observe(self, record: StepRecord) -> None:
         pass
@@ -99,7 +105,7 @@ class AdaptiveDepth:
     def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth = max(0, min(self.depth, remaining_tokens - 1))
         nodes = max(self.nodes, depth) if depth else 0
-        return StepBudget(nodes=nodes, depth=depth, width=_width_for(nodes, depth))
+        return StepBudget(nodes=nodes, depth=depth, width=width_for(nodes, depth))
 
     def observe(self, record: StepRecord) -> None:
         if record.depth == 0:

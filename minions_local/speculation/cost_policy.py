@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..events import StepRecord
-from .budget import REGIMES, StepBudget
+from .budget import REGIMES, StepBudget, grow_shape
 from .cost import SIBLING_DECAY, CostModel, expected_accepted
 
 
@@ -51,14 +51,13 @@ class CostModelBudget:
     refit_every: int = 8
     _prior: CostModel | None = field(default=None, repr=False)
     _steps: deque = field(default_factory=deque, repr=False)
-    _budgets: deque = field(default_factory=deque, repr=False)
+    """Recent (record, the budget that step was given)."""
     _seen: int = 0
     _participation: dict = field(default_factory=dict, repr=False)
     _grown: dict = field(default_factory=dict, repr=False)
     """Per regime, its recent steps that verified a tree."""
-    _added: dict = field(default_factory=dict, repr=False)
-    _fitted: dict = field(default_factory=dict, repr=False)
-    """Per regime: steps added so far, and that count at its last fit."""
+    _stale: set = field(default_factory=set, repr=False)
+    """Regimes with steps that arrived since their last fit."""
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
     rates: dict = field(default_factory=dict)
@@ -69,7 +68,6 @@ class CostModelBudget:
     def __post_init__(self) -> None:
         self._prior = self.model
         self._steps = deque(maxlen=self.window)
-        self._budgets = deque(maxlen=self.window)
         self.rates = {regime: self.acceptance for regime in REGIMES} | self.rates
         self.decays = {regime: SIBLING_DECAY for regime in REGIMES} | self.decays
 
@@ -113,41 +111,38 @@ class CostModelBudget:
         return replace(self.model, grow=grow)
 
     def observe(self, record: StepRecord) -> None:
-        self._steps.append(record)
-        self._budgets.append(self._last)
+        self._steps.append((record, self._last))
         if record.tree_size > 0 and record.depth > 0:
             # Acceptance is learned from each regime's own recent trees: a run of
             # sampled requests must not push the greedy ones out of the window.
             self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
-            self._added[record.regime] = self._added.get(record.regime, 0) + 1
+            self._stale.add(record.regime)
         self._seen += 1
         if self._seen % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> None:
         """Recalibrate acceptance, verify and grow times from the recent steps."""
-        steps = list(self._steps)
-        if not steps:
+        if not self._steps:
             return
-        grown = [(r, b) for r, b in zip(steps, self._budgets) if r.tree_size > 0 and b is not None and b.depth > 0]
-        model = self._prior.refined(verify_samples=[(r.tree_size, r.t_verify) for r in steps],
+        grown = [(r, b) for r, b in self._steps if r.tree_size > 0 and b is not None and b.depth > 0]
+        model = self._prior.refined(verify_samples=[(r.tree_size, r.t_verify) for r, _ in self._steps],
                                     grow_samples=grow_samples(grown))
         overheads = [r.t_grow - sum(r.minion_t_grow.values()) for r, _ in grown if r.minion_t_grow]
         if overheads:
             model = replace(model, step_overhead=max(median(overheads), 0.0))
         self.model = model
         names = [g.name for g in model.grow]
-        for regime, mine in self._grown.items():
-            if self._fitted.get(regime) == self._added.get(regime):
-                continue  # nothing new in this regime since its last fit
-            self._fitted[regime] = self._added.get(regime)
+        for regime in self._stale:  # a regime with nothing new keeps its last fit
+            mine = self._grown[regime]
             self._participation[regime] = {n: sum(n in r.minion_t_grow for r in mine) / len(mine) for n in names}
             trials = [t for r in mine for t in r.rank_trials]
             if trials:
                 self.rates[regime], self.decays[regime] = fit_rank_acceptance(trials, self.top_k)
-            elif mine:
+            else:
                 self.rates[regime] = calibrate_acceptance([(r.tree_size, r.depth, r.accepted) for r in mine],
                                                           self.top_k, self.decays[regime])
+        self._stale.clear()
         self._chosen.clear()
 
 
@@ -157,9 +152,8 @@ def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[t
     out: dict[str, list[tuple[int, float]]] = {}
     for record, budget in grown:
         for name, seconds in record.minion_t_grow.items():
-            nodes = record.minion_nodes.get(name, budget.nodes)
-            depth = max(1, min(budget.depth, nodes))
-            out.setdefault(name, []).append((-(-nodes // depth), seconds / depth))
+            passes, width = grow_shape(record.minion_nodes.get(name, budget.nodes), budget.depth)
+            out.setdefault(name, []).append((width, seconds / passes))
     return out
 
 

@@ -22,7 +22,7 @@ from ..backends.base import CandidateTree, GrowBudget, Minion, prefill
 from ..backends.hf_target import HFTarget
 from ..events import StepRecord, TreeSnapshot
 from .accept import SamplingParams, accept
-from .budget import BudgetPolicy, StepBudget
+from .budget import BudgetPolicy, StepBudget, width_for
 from .tree import TokenTree
 from .selection import MinionSelector, expected_accepted
 from .vote import merge_proposals, source_shares
@@ -118,6 +118,7 @@ class Decoder:
         for m in self.minions:
             m.commit(tokens)
         contributed = self.selector.observe(tree, path, ran, grow_seconds, t2 - t0, len(tokens))
+        grown = {m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
             bytes_streamed=self.target.bytes_streamed() - streamed_before, depth=tree.depth,
@@ -126,8 +127,8 @@ class Decoder:
             minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
             minion_t_grow={m.name: t for m, t, r in zip(self.minions, grow_seconds, ran) if r},
             predicted_t_verify=budget.predicted_t_verify,
-            minion_nodes={m.name: n for m, n, r in zip(self.minions, allowed, ran) if r},
-            predicted_t_grow=budget.predicted_grow_for({m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}),
+            minion_nodes=grown,
+            predicted_t_grow=budget.predicted_grow_for(grown),
             regime=regime, t_policy=t_policy, rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1),
         )
         self.policy.observe(record)
@@ -181,7 +182,7 @@ class Decoder:
         # The drafts' own stream, seeded from the request's so a seeded run repeats.
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         drafts = torch.Generator().manual_seed(seed)
-        return [GrowBudget(max_nodes=share, max_depth=budget.depth, width=max(1, -(-share // budget.depth)),
+        return [GrowBudget(max_nodes=share, max_depth=budget.depth, width=width_for(share, budget.depth),
                            top_k=self.top_k, sampling=params, generator=drafts,
                            vocab_limit=self.target.vocab_size)
                 for share in shares]

@@ -148,3 +148,41 @@ def test_disk_filling_up_while_packing_is_named(llama, tmp_path, monkeypatch):
     with pytest.raises(MemoryPlanError, match="disk filled up while writing .*layer_0000.pack"):
         load(llama, tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def _vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping holding address (Linux /proc/self/smaps), or None."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+def test_big_host_buffers_are_advised_onto_huge_pages_and_keep_their_memory():
+    """O_DIRECT reads into scattered 4 KiB pages ran 15-45% slower on the project's VM,
+    so layer buffers and RAM-tier layers ask for transparent huge pages."""
+    import gc
+    import mmap
+
+    from minions_local.offload.layout import BLOCK, HUGE_PAGE, aligned_empty
+
+    big = aligned_empty(3 * HUGE_PAGE + 123)
+    assert big.numel() == 3 * HUGE_PAGE + 123 and big.data_ptr() % BLOCK == 0
+    gc.collect()  # the tensor alone must keep its mapping alive
+    big.fill_(7)
+    assert int(big[0]) == int(big[-1]) == 7
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % HUGE_PAGE == 0
+        flags = _vm_flags(big.data_ptr())
+        assert flags is None or "hg" in flags, flags
+    small = aligned_empty(5000)  # below a huge page: torch's allocator, still aligned
+    assert small.numel() == 5000 and small.data_ptr() % BLOCK == 0

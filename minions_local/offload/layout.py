@@ -12,6 +12,7 @@ buffers work without special cases.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -170,10 +171,50 @@ def pack_layer(layout: LayerLayout, tensors: Mapping[str, torch.Tensor], out: to
 
 
 def aligned_empty(nbytes: int, *, device: str | torch.device = "cpu", pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor of nbytes whose address is BLOCK-aligned (O_DIRECT needs it)."""
+    """A uint8 tensor of nbytes whose address is BLOCK-aligned (O_DIRECT needs it).
+
+    Host buffers of a huge page or more sit on transparent huge pages where the kernel
+    allows it (Linux, THP 'madvise' or 'always'). An O_DIRECT read becomes one scatter
+    entry per physically contiguous run of its destination; torch's allocator hands out
+    4 KiB pages scattered in physical memory, and how scattered depends on the machine's
+    history. Measured on this project's 2-core VM (page cache bypassed, 3 readers): reads
+    into scattered buffers ran at 1.05-1.61 GB/s, into 2 MiB pages at 1.89-1.92 GB/s, and
+    two identical streamed models in one process differed by 25% in streaming speed
+    until their buffers were huge-page backed. Pinned (CUDA) buffers come from the CUDA
+    driver instead.
+    """
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if not pin and nbytes >= HUGE_PAGE:
+        huge = _huge_page_buffer(nbytes)
+        if huge is not None:
+            return huge
     raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % BLOCK
     return raw[start : start + nbytes]
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """nbytes of private anonymous memory, HUGE_PAGE-aligned and advised for huge pages;
+    None where the platform has no such advice (the caller falls back to torch.empty).
+
+    The mapping is a huge page longer than asked so the tensor can start on a huge-page
+    boundary; the unused head and tail are never touched, so they cost no memory. The
+    tensor keeps the mapping alive (torch.frombuffer holds a reference to it)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out: plain pages, still BLOCK-aligned
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = (-whole.data_ptr()) % HUGE_PAGE
+    return whole[start : start + nbytes]

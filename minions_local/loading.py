@@ -11,7 +11,7 @@ import torch
 from .backends.base import Minion
 from .backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from .backends.hf_minion import HFMinion
-from .backends.hf_target import HFTarget, resident_target
+from .backends.hf_target import HFTarget, resident_target, streamed_target
 from .errors import ModelLoadError, VocabularyMismatchError
 from .events import LoadProgress
 from .text import load_tokenizer
@@ -53,7 +53,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
 
         model, stats = load_streamed_causal_lm(path, tier=tier, dtype=dtype, device=device, progress=progress,
                                                **stream_options)
-        target = HFTarget(model, bytes_streamed=lambda: stats.bytes_streamed)
+        target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
         target.stream_stats = stats
     else:
         target = resident_target(load_causal_lm(path, "target", dtype, device))

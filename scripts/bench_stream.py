@@ -12,7 +12,8 @@ In one run:
    stream_efficiency = achieved / raw. Short rounds alternate the three (order rotating)
    so that other processes' disk traffic hits all alike; the ratio is of totals;
 3. pass time for tree sizes 1, 2, 4, ..., 256: resident vs RAM tier vs disk tier,
-   interleaved per size.
+   interleaved per size, each target wrapped as the engine wraps it (the compact
+   forward where it is bit-exact), and the disk tier through transformers' forward.
 
 Prints a human table, then ONE JSON line. The default model is the demo target
 (minions_local/demo_models/target) when present, otherwise a random Llama built here.
@@ -32,17 +33,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from minions_local.backends.hf_target import HFTarget, resident_target, streamed_target  # noqa: E402
 from minions_local.offload import load_streamed_causal_lm  # noqa: E402
 from minions_local.offload.checkpoint import Checkpoint  # noqa: E402
 from minions_local.offload.disk import read_files_direct  # noqa: E402
 from minions_local.offload.layout import aligned_empty  # noqa: E402
-from minions_local.offload.streamed import resolve_dtype  # noqa: E402
+from minions_local.offload.streamed import layer_store, resolve_dtype  # noqa: E402
 
 DEMO_TARGET = REPO / "minions_local" / "demo_models" / "target"
 PREFIX = 64
@@ -65,45 +68,45 @@ def tree(size: int, rng: random.Random) -> list[int]:
     return [-1] + [rng.randrange(max(0, i - 6), i) for i in range(1, size)]
 
 
-def tree_inputs(parents: list[int], prefix: int, vocab: int, dtype, device, rng: random.Random):
+class Runner:
+    """One target, wrapped as the engine wraps it, with a fixed prefix in its cache;
+    `pass_(size)` times one tree pass."""
+
+    def __init__(self, name: str, target, stats, device: str) -> None:
+        self.name, self.target, self.stats, self.device = name, target, stats, device
+        self.vocab = target.model.config.vocab_size
+        self.rng = random.Random(0)
+        prefix = torch.randint(0, self.vocab, (PREFIX,), generator=torch.Generator().manual_seed(0))
+        target.extend(prefix.tolist())
+
+    def pass_(self, size: int) -> float:
+        parents = tree(size, self.rng)
+        tokens = [self.rng.randrange(self.vocab) for _ in parents]
+        anc, depth = ancestors(parents)
+        t0 = time.perf_counter()
+        self.target.forward(tokens, anc, depth, PREFIX)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.target.truncate(PREFIX)  # back to the fixed prefix
+        return dt
+
+    def store(self):
+        return layer_store(self.target.model)
+
+
+def ancestors(parents: list[int]) -> tuple[np.ndarray, list[int]]:
+    """(visibility [T, T]: node i sees j when j is i or an ancestor of i, depth per node)."""
     t = len(parents)
-    mask = torch.full((1, 1, t, prefix + t), torch.finfo(dtype).min, dtype=dtype)
-    mask[..., :prefix] = 0
-    depth = []
+    anc = np.zeros((t, t), dtype=bool)
+    depth: list[int] = []
     for i, p in enumerate(parents):
         depth.append(0 if p < 0 else depth[p] + 1)
         j = i
         while j >= 0:
-            mask[0, 0, i, prefix + j] = 0
+            anc[i, j] = True
             j = parents[j]
-    ids = torch.tensor([[rng.randrange(vocab) for _ in parents]])
-    pos = torch.tensor([[prefix + d for d in depth]])
-    return ids.to(device), mask.to(device), pos.to(device)
-
-
-class Runner:
-    """One model with a fixed prefix in its cache; `pass_(size)` times one tree pass."""
-
-    def __init__(self, name: str, model, stats, device: str) -> None:
-        self.name, self.model, self.stats, self.device = name, model, stats, device
-        self.dtype = next(model.parameters()).dtype
-        self.vocab = model.config.vocab_size
-        self.rng = random.Random(0)
-        self.cache = DynamicCache()
-        with torch.inference_mode():
-            ids = torch.randint(0, self.vocab, (1, PREFIX), generator=torch.Generator().manual_seed(0))
-            model(input_ids=ids.to(device), past_key_values=self.cache, use_cache=True)
-
-    @torch.inference_mode()
-    def pass_(self, size: int) -> float:
-        ids, mask, pos = tree_inputs(tree(size, self.rng), PREFIX, self.vocab, self.dtype, self.device, self.rng)
-        t0 = time.perf_counter()
-        self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True)
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        self.cache.crop(-size)  # back to the fixed prefix (transformers 5: negative = drop)
-        return dt
+    return anc, depth
 
 
 def checkpoint_params(folder: Path) -> int:
@@ -123,7 +126,7 @@ def streamed_run(runner: Runner, passes: int) -> tuple[int, float, float]:
     The pipeline starts empty (nothing prefetched before the clock starts), so the
     figure includes one pipeline fill: pessimistic by ~1 layer's read per `passes`.
     """
-    runner.model._minions_layer_store.drain()
+    runner.store().drain()
     b0, w0 = runner.stats.bytes_streamed, runner.stats.seconds_waiting
     t0 = time.perf_counter()
     for _ in range(passes):
@@ -131,7 +134,7 @@ def streamed_run(runner: Runner, passes: int) -> tuple[int, float, float]:
     dt = time.perf_counter() - t0
     # The next pass's first layers are in flight now: their reads count neither here
     # (pessimistic) nor against whatever is measured next.
-    runner.model._minions_layer_store.drain()
+    runner.store().drain()
     return runner.stats.bytes_streamed - b0, dt, runner.stats.seconds_waiting - w0
 
 
@@ -177,7 +180,7 @@ def synthetic(args, passes: int, rounds: int, repeats: int, sizes: list[int]) ->
     quant = args.quant or "int4"
     model, stats = synthetic_streamed_causal_lm(args.synthetic, layers=args.layers, quant=quant, dtype=dtype,
                                                 device=args.device, buffers=args.buffers, readers=args.readers)
-    ram = Runner("ram", model, stats, args.device)
+    ram = Runner("ram", streamed_target(model, lambda: stats.bytes_streamed), stats, args.device)
     ram.pass_(1)
     h2d = h2d_check(ram, passes, rounds) if args.device.startswith("cuda") else {}
     times = pass_times([ram], sizes, repeats)
@@ -248,15 +251,20 @@ def main() -> None:
         common = dict(device=dev, dtype=dtype, quant=args.quant, buffers=args.buffers, cache_dir=cache_dir,
                       readers=args.readers)
 
+        # Each target wrapped as the engine wraps it (the compact forward where it is
+        # exact), plus the disk tier through transformers' own forward for comparison.
         if args.quant == "none":
-            resident = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-            resident = resident.to(dev).eval()
+            resident_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+            resident = resident_target(resident_model.to(dev).eval())
         else:  # the same quantized weights, resident: the device tier
-            resident, _ = load_streamed_causal_lm(model_path, tier="device", **common)
+            resident = streamed_target(load_streamed_causal_lm(model_path, tier="device", **common)[0], lambda: 0)
         ram_model, ram_stats = load_streamed_causal_lm(model_path, tier="ram", **common)
         disk_model, disk_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
-        runners = [Runner("resident", resident, None, dev), Runner("ram", ram_model, ram_stats, dev),
-                   Runner("disk", disk_model, disk_stats, dev)]
+        hf_model, hf_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
+        runners = [Runner("resident", resident, None, dev),
+                   Runner("ram", streamed_target(ram_model, lambda: ram_stats.bytes_streamed), ram_stats, dev),
+                   Runner("disk", streamed_target(disk_model, lambda: disk_stats.bytes_streamed), disk_stats, dev),
+                   Runner("disk_transformers", HFTarget(hf_model), hf_stats, dev)]
         disk = runners[2]
         params = checkpoint_params(model_path)
         packs = sorted(Path(cache_dir).rglob("layer_*.pack"))
@@ -349,10 +357,13 @@ def print_table(res: dict, sizes: list[int]) -> None:
           f"on {os.cpu_count()} cores (shared machines make every number noisy)")
     print()
     names = list(res["pass_ms"])
-    print(f"{'tree size':>9} " + " ".join(f"{n + ' ms':>12}" for n in names) + f" {'disk/resident':>14}")
+    print(f"{'tree size':>9} " + " ".join(f"{n + ' ms':>{max(12, len(n) + 3)}}" for n in names)
+          + f" {'disk/resident':>14}")
     for s in sizes:
         row = [res["pass_ms"][n][str(s)] for n in names]
-        print(f"{s:>9} " + " ".join(f"{x:>12.2f}" for x in row) + f" {row[-1] / row[0]:>14.2f}")
+        disk = res["pass_ms"]["disk"][str(s)]
+        print(f"{s:>9} " + " ".join(f"{x:>{max(12, len(n) + 3)}.2f}" for n, x in zip(names, row))
+              + f" {disk / row[0]:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class CompactDecoder:
     def weight_bytes(self) -> int:
         """Bytes of the weights this forward reads (its own fused/packed copies)."""
         tensors = [self.embed, self.norm_w, self.lm_head]
-        tensors += [t for L in self.layers for k, t in L.items() if isinstance(t, torch.Tensor)]
+        tensors += [t for L in self.layers if L for t in L.values() if isinstance(t, torch.Tensor)]
         unique = {id(t): t for t in tensors}.values()  # a tied lm_head is the embedding itself
         return sum(t.numel() * t.element_size() for t in unique)
 
@@ -128,6 +128,13 @@ class CompactDecoder:
 
     # --- forward ---------------------------------------------------------------------
 
+    def _layer(self, i: int) -> dict:
+        """Layer i's weights for this pass (a streamed forward fetches them here)."""
+        return self.layers[i]
+
+    def _done(self, i: int) -> None:
+        """Layer i has run in this pass (a streamed forward gives its buffer back here)."""
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not self.exact:  # one op in the model's dtype instead of four
             return F.rms_norm(x, (x.shape[-1],), w, eps=self.eps)
@@ -144,7 +151,8 @@ class CompactDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, hd]
         start, end = self.length, self.length + t
         nq, nkv, hd = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
-        for i, L in enumerate(self.layers):
+        for i in range(len(self.layers)):
+            L = self._layer(i)
             h = self._rms(x, L["ln1"])
             qkv = self.linear(h, L["qkv"], L["qkv_bias"])
             v = qkv[..., nq + nkv:].view(1, t, self.kv_heads, hd).transpose(1, 2)
@@ -164,6 +172,7 @@ class CompactDecoder:
             h = self._rms(x, L["ln2"])
             gate_up = self.linear(h, L["gate_up"])
             x = x + self.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
+            self._done(i)
         self.length = end
         x = self._rms(x, self.norm_w)
         return (self.head_linear or self.linear)(x[0], self.lm_head).float()
@@ -240,10 +249,11 @@ class CompactModel(CachedModel):
 
     exact = True
     """Whether the forward must round exactly like transformers (a target must)."""
+    decoder_class = CompactDecoder
 
     def __init__(self, model, **kwargs) -> None:
         super().__init__(model, **kwargs)
-        self.decoder = CompactDecoder(model, exact=self.exact)
+        self.decoder = self.decoder_class(model, exact=self.exact)
         self.cache = None  # the decoder owns the keys and values
 
     def weight_bytes(self) -> int:

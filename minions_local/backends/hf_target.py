@@ -14,6 +14,7 @@ import torch
 
 from ..speculation.tree import TokenTree
 from .compact import CompactModel, supports
+from .compact_streamed import StreamedCompactDecoder
 from .hf import CachedModel
 
 
@@ -68,6 +69,26 @@ def resident_target(model, release_weights: bool = True) -> HFTarget:
                 target.decoder.release_module_weights(model)
             return target
     return HFTarget(model)
+
+
+class StreamedCompactTarget(CompactModel, HFTarget):
+    """A streamed target on the compact forward (fused matmuls over the layer buffers,
+    no transformers modules per layer); used where its logits equal transformers'."""
+
+    decoder_class = StreamedCompactDecoder
+
+
+def streamed_target(model, bytes_streamed: Callable[[], int]) -> HFTarget:
+    """The fastest exact wrapper for a target loaded by `load_streamed_causal_lm`.
+
+    The check runs a few streamed passes at load time: both forwards take their
+    layers from the same prefetch pipeline."""
+    if supports(model) and next(model.parameters()).device.type == "cpu":
+        target = StreamedCompactTarget(model, bytes_streamed=bytes_streamed)
+        if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):
+            target.reset()
+            return target
+    return HFTarget(model, bytes_streamed=bytes_streamed)
 
 
 def _same_logits(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:

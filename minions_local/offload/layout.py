@@ -141,11 +141,26 @@ def _stored_shapes(
     return [("q", (out_f, in_f // 2), "uint8"), ("scale", (out_f, in_f // group), dtype_name(dtype))]
 
 
+_FUSED_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+"""Projections the compact forward runs as one matmul, in the order it stacks them."""
+
+
+def storage_order(name: str) -> tuple:
+    """Sort key of a layer-relative parameter name: by module, then weights before
+    biases, with q/k/v and gate/up back to back in the order the compact forward
+    stacks them, so that a streamed layer's fused weight is a view of its buffer
+    rather than a copy made on every pass."""
+    *path, leaf = name.split(".")
+    module = path[-1] if path else ""
+    owner = ".".join(path[:-1])
+    return (owner, leaf, _FUSED_RANK.get(module, len(_FUSED_RANK)), module)
+
+
 def plan_layout(shapes: Mapping[str, Sequence[int]], quant: str, dtype: torch.dtype) -> LayerLayout:
-    """Lay out parameters (name -> shape, layer-relative names) back to back, sorted by name."""
+    """Lay out parameters (name -> shape, layer-relative names) back to back in `storage_order`."""
     pieces: list[Piece] = []
     offset = 0
-    for name in sorted(shapes):
+    for name in sorted(shapes, key=storage_order):
         for role, shape, dname in _stored_shapes(name, tuple(int(s) for s in shapes[name]), quant, dtype):
             piece = Piece(name, role, offset, shape, dname)
             pieces.append(piece)

@@ -430,7 +430,10 @@ def _empty_parameters(layer: nn.Module, placeholder: torch.Tensor) -> None:
 
 
 class _StreamedLayer:
-    """Hooks that give a decoder layer its weights from the LayerStore for each call."""
+    """Hooks that give a decoder layer its weights from the LayerStore for each call.
+
+    `enter` / `exit` are also what a forward that does not call the module (the
+    compact forward) runs around the layer; `layer_weights(layer)` finds them."""
 
     def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: _Scratch, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -441,17 +444,20 @@ class _StreamedLayer:
         self.bindings: dict[int, list[_Binding]] = {}
         """Per buffer index: the views this layer binds when it sits in that buffer."""
         self.current: list[_Binding] = []
-        layer.register_forward_pre_hook(self._before)
-        layer.register_forward_hook(self._after)
+        layer.register_forward_pre_hook(lambda _m, _a: self.enter())
+        layer.register_forward_hook(lambda _m, _a, _o: self.exit())
+        layer._minions_weights = self
 
-    def _before(self, _module, _args) -> None:
+    def enter(self) -> None:
+        """Wait for this layer's fetch and point its parameters into the buffer."""
         k = self.store.acquire(self.j)
         if k not in self.bindings:
             self.bindings[k] = _bindings(self.layer, self.layout, self.store.buffers[k], self.scratch)
         self.current = self.bindings[k]
         _bind(self.current, self.layout.quant)
 
-    def _after(self, _module, _args, _output) -> None:
+    def exit(self) -> None:
+        """The layer has run: empty its parameters and give its buffer back."""
         _unbind(self.current, self.placeholder)
         self.store.release(self.j)
 
@@ -468,5 +474,23 @@ class _ResidentPackedLayer:
         self.placeholder = torch.empty(0, dtype=scratch.dtype, device=device)
         _empty_parameters(layer, self.placeholder)
         self.bindings = _bindings(layer, layout, self.packed, scratch)
-        layer.register_forward_pre_hook(lambda _m, _a: _bind(self.bindings, layout.quant))
-        layer.register_forward_hook(lambda _m, _a, _o: _unbind(self.bindings, self.placeholder))
+        layer.register_forward_pre_hook(lambda _m, _a: self.enter())
+        layer.register_forward_hook(lambda _m, _a, _o: self.exit())
+        layer._minions_weights = self
+
+    def enter(self) -> None:
+        _bind(self.bindings, self.layout.quant)
+
+    def exit(self) -> None:
+        _unbind(self.bindings, self.placeholder)
+
+
+def layer_weights(layer: nn.Module) -> _StreamedLayer | _ResidentPackedLayer | None:
+    """What gives this decoder layer its weights around each call (None: its own
+    resident parameters)."""
+    return getattr(layer, "_minions_weights", None)
+
+
+def layer_store(model: nn.Module) -> LayerStore | None:
+    """The prefetch pipeline of a model loaded by `load_streamed_causal_lm` (None: nothing streams)."""
+    return getattr(model, "_minions_layer_store", None)

@@ -109,9 +109,15 @@ class CompactDecoder:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_weight(layer[name])
         self.linear = packed_linear
+        self._pack_head()
+
+    def _pack_head(self) -> None:
+        """Prepack the lm_head, unless it is a big tied one: that is the embedding, which
+        lookups need plain, and a second copy would cost hundreds of MB."""
         if self.lm_head is not self.embed or self.lm_head.numel() * self.lm_head.element_size() <= TIED_HEAD_COPY:
             self.lm_head = pack_weight(self.lm_head)
-        else:  # a tied head is the embedding, which lookups need plain: no big second copy
+            self.head_linear = packed_linear
+        else:
             self.head_linear = F.linear
 
     # --- cache edits (same contract as backends.hf.CachedModel) ------------------------

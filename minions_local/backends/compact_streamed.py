@@ -16,20 +16,16 @@ from __future__ import annotations
 import torch
 
 from ..offload.streamed import layer_store, layer_weights
-from .compact import TIED_HEAD_COPY, CompactDecoder, pack_weight, packed_linear, packing_is_exact
+from .compact import CompactDecoder, packing_is_exact
 
 
 class StreamedCompactDecoder(CompactDecoder):
-    def __init__(self, model, capacity: int = 512, pack: bool = False, exact: bool = True) -> None:
+    def __init__(self, model, capacity: int = 512, exact: bool = True) -> None:
         self.modules = list(model.model.layers)
         self.store = layer_store(model)
         super().__init__(model, capacity=capacity, pack=False, exact=exact)
-        # The lm_head stays resident: prepack it once, like the resident target does.
-        head_bytes = self.lm_head.numel() * self.lm_head.element_size()
-        if packing_is_exact(self.dtype, self.device) and (self.lm_head is not self.embed
-                                                           or head_bytes <= TIED_HEAD_COPY):
-            self.lm_head = pack_weight(self.lm_head)
-            self.head_linear = packed_linear
+        if packing_is_exact(self.dtype, self.device):
+            self._pack_head()  # the lm_head stays resident: prepack it once
 
     def _fuse(self, layer) -> dict | None:
         if layer_weights(layer) is not None:

@@ -46,7 +46,8 @@ def test_streamed_compact_target_equals_transformers_bit_for_bit(tmp_path, arch,
     ref_model, _ = _streamed(path, tmp_path / "a", dtype, tier="disk", quant=quant, layer_tiers=layer_tiers)
     model, stats = _streamed(path, tmp_path / "b", dtype, tier="disk", quant=quant, layer_tiers=layer_tiers)
     ref = HFTarget(ref_model)
-    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    # (kept: a second compact wrapper is built on the same model below)
+    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed, release_weights=False)
     # On this project's machines the check at load time picks the compact forward;
     # whichever is picked must give the same bits.
     assert isinstance(target, StreamedCompactTarget)
@@ -97,3 +98,22 @@ def test_streamed_target_falls_back_to_transformers_where_not_exact(tmp_path, mo
     target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
     assert type(target) is HFTarget
     assert target.bytes_streamed() == stats.bytes_streamed
+
+
+def test_resident_parts_are_held_once(tmp_path):
+    """Resident layers (fused at load) and an untied, prepacked lm_head drop the
+    modules' copies; streamed layers keep their bindings and the logits do not move."""
+    path = save_tiny(tmp_path, "llama", layers=3)
+    tiers = ["disk", "device", "disk"]
+    ref_model, _ = _streamed(path, tmp_path / "e", torch.bfloat16, tier="disk", layer_tiers=tiers)
+    model, stats = _streamed(path, tmp_path / "f", torch.bfloat16, tier="disk", layer_tiers=tiers)
+    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    assert isinstance(target, StreamedCompactTarget)
+    resident = model.model.layers[1]
+    assert resident.self_attn.q_proj.weight.numel() == 0 and resident.mlp.up_proj.weight.numel() == 0
+    assert resident.self_attn.o_proj.weight.numel() > 0  # used as it is, not copied
+    if target.decoder.lm_head is not model.lm_head.weight:  # prepacked here: the plain one is gone
+        assert model.lm_head.weight.numel() == 0
+    context = list(range(3, 40))
+    tree, _ = _tree(context[-1])
+    assert torch.equal(HFTarget(ref_model).verify(context, tree), target.verify(context, tree))

@@ -78,15 +78,18 @@ class StreamedCompactTarget(CompactModel, HFTarget):
     decoder_class = StreamedCompactDecoder
 
 
-def streamed_target(model, bytes_streamed: Callable[[], int]) -> HFTarget:
+def streamed_target(model, bytes_streamed: Callable[[], int], release_weights: bool = True) -> HFTarget:
     """The fastest exact wrapper for a target loaded by `load_streamed_causal_lm`.
 
     The check runs a few streamed passes at load time: both forwards take their
-    layers from the same prefetch pipeline."""
+    layers from the same prefetch pipeline. release_weights: as for resident_target,
+    for what stays resident (see StreamedCompactDecoder.release_module_weights)."""
     if supports(model) and next(model.parameters()).device.type == "cpu":
         target = StreamedCompactTarget(model, bytes_streamed=bytes_streamed)
         if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):
             target.reset()
+            if release_weights:
+                target.decoder.release_module_weights(model)
             return target
     return HFTarget(model, bytes_streamed=bytes_streamed)
 

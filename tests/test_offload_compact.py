@@ -117,3 +117,35 @@ def test_resident_parts_are_held_once(tmp_path):
     context = list(range(3, 40))
     tree, _ = _tree(context[-1])
     assert torch.equal(HFTarget(ref_model).verify(context, tree), target.verify(context, tree))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_pass_interrupted_inside_a_layer_leaves_the_target_exact(tmp_path, monkeypatch, layer):
+    """Ctrl-C while a layer holds its buffer (fetched, never given back): the next
+    pass starts the pipeline over and the logits are still transformers' own."""
+    from minions_local.offload.streamed import layer_weights
+
+    path = save_tiny(tmp_path, "llama", layers=3)
+    ref_model, _ = _streamed(path, tmp_path / "g", torch.bfloat16, tier="disk")
+    model, stats = _streamed(path, tmp_path / "h", torch.bfloat16, tier="disk")
+    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    weights = layer_weights(model.model.layers[layer])
+    real, calls = weights.enter, []
+
+    def enter_then_interrupt():
+        real()
+        calls.append(1)
+        if len(calls) == 2:  # the second pass: the verify after a good prefill
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(weights, "enter", enter_then_interrupt)
+    context = list(range(3, 40))
+    tree, a = _tree(context[-1])
+    with pytest.raises(KeyboardInterrupt):
+        target.verify(context, tree)
+    ref = HFTarget(ref_model)
+    for _ in range(2):
+        assert torch.equal(ref.verify(context, tree), target.verify(context, tree))
+        ref.commit(tree, [0, a])
+        target.commit(tree, [0, a])
+        context = context + [7]

@@ -87,16 +87,22 @@ class CompactDecoder:
         unique = {id(t): t for t in tensors}.values()  # a tied lm_head is the embedding itself
         return sum(t.numel() * t.element_size() for t in unique)
 
-    @staticmethod
-    def release_module_weights(model) -> None:
-        """Drop the transformers modules' own copies of what this forward holds fused,
-        so that a resident target is not held twice; the module can no longer run."""
+    def release_module_weights(self, model) -> None:
+        """Drop the transformers modules' weights that this forward holds a copy of
+        (stacked q/k/v and gate/up, prepacked matmuls, a prepacked untied lm_head), so
+        that nothing resident is held twice; weights it uses as they are, and the
+        embedding, stay. The module can no longer run its own forward."""
         empty = torch.nn.Parameter(torch.empty(0, dtype=model.dtype), requires_grad=False)
-        for layer in model.model.layers:
+        for layer, fused in zip(model.model.layers, self.layers):
+            if fused is None:  # its weights arrive with each pass: nothing held
+                continue
             att, mlp = layer.self_attn, layer.mlp
-            for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                lin.weight = empty
-        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            for lin, key in ((att.q_proj, "qkv"), (att.k_proj, "qkv"), (att.v_proj, "qkv"), (att.o_proj, "o"),
+                             (mlp.gate_proj, "gate_up"), (mlp.up_proj, "gate_up"), (mlp.down_proj, "down")):
+                if fused[key] is not lin.weight:
+                    lin.weight = empty
+        head = model.lm_head.weight
+        if self.lm_head is not head and head is not model.model.embed_tokens.weight:
             model.lm_head.weight = empty
 
     def _pack(self) -> None:

@@ -27,20 +27,6 @@ class StreamedCompactDecoder(CompactDecoder):
         if packing_is_exact(self.dtype, self.device):
             self._pack_head()  # the lm_head stays resident: prepack it once
 
-    def release_module_weights(self, model) -> None:
-        """Drop the transformers modules' copies of what this forward holds on its own:
-        the stacked q/k/v and gate/up of resident layers, an untied lm_head it prepacked
-        (2 GB for a 128k vocabulary at 8k hidden). Streamed layers hold nothing. The
-        model can no longer run its own forward."""
-        empty = torch.nn.Parameter(torch.empty(0, dtype=model.dtype), requires_grad=False)
-        for layer, fused in zip(self.modules, self.layers):
-            if fused is not None:
-                att, mlp = layer.self_attn, layer.mlp
-                for lin in (att.q_proj, att.k_proj, att.v_proj, mlp.gate_proj, mlp.up_proj):
-                    lin.weight = empty
-        if self.lm_head is not model.lm_head.weight and model.lm_head.weight is not model.model.embed_tokens.weight:
-            model.lm_head.weight = empty
-
     def _fuse(self, layer) -> dict | None:
         if layer_weights(layer) is not None:
             return None  # its weights arrive with each pass

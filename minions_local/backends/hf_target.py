@@ -83,7 +83,7 @@ def streamed_target(model, bytes_streamed: Callable[[], int], release_weights: b
 
     The check runs a few streamed passes at load time: both forwards take their
     layers from the same prefetch pipeline. release_weights: as for resident_target,
-    for what stays resident (see StreamedCompactDecoder.release_module_weights)."""
+    for what stays resident (see CompactDecoder.release_module_weights)."""
     if supports(model) and next(model.parameters()).device.type == "cpu":
         target = StreamedCompactTarget(model, bytes_streamed=bytes_streamed)
         if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):

@@ -23,6 +23,8 @@ class StreamedCompactDecoder(CompactDecoder):
     def __init__(self, model, capacity: int = 512, exact: bool = True) -> None:
         self.modules = list(model.model.layers)
         self.store = layer_store(model)
+        self._views: dict[tuple[int, int], dict] = {}
+        """(layer, address of its bound q weight) -> its fused views for that buffer."""
         super().__init__(model, capacity=capacity, pack=False, exact=exact)
         if packing_is_exact(self.dtype, self.device):
             self._pack_head()  # the lm_head stays resident: prepack it once
@@ -39,15 +41,25 @@ class StreamedCompactDecoder(CompactDecoder):
         layer = self.modules[i]
         layer_weights(layer).enter()
         att, mlp = layer.self_attn, layer.mlp
+        # A layer sitting in a given buffer always binds the same views (the streamer
+        # caches its bindings per buffer), so its fused views are built once per buffer.
+        key = (i, att.q_proj.weight.data_ptr())
+        if key in self._views:
+            return self._views[key]
+        stacks = [(stacked([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), att.q_proj.weight),
+                  (stacked([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.gate_proj.weight)]
         qkv_bias = None
         if att.q_proj.bias is not None:
             qkv_bias = stacked([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-        return {
+            stacks.append((qkv_bias, att.q_proj.bias))
+        fused = {
             "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-            "qkv": stacked([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), "qkv_bias": qkv_bias,
-            "o": att.o_proj.weight, "gate_up": stacked([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            "qkv": stacks[0][0], "qkv_bias": qkv_bias, "o": att.o_proj.weight, "gate_up": stacks[1][0],
             "down": mlp.down_proj.weight, "inter": mlp.gate_proj.weight.shape[0],
         }
+        if all(whole.data_ptr() == first.data_ptr() for whole, first in stacks):
+            self._views[key] = fused  # views only: a kept copy would hold the layer resident
+        return fused
 
     def _done(self, i: int) -> None:
         if self.layers[i] is None:

@@ -195,6 +195,14 @@ def _grid(lo: float, hi: float, step: float) -> list[float]:
     return [round(lo + i * step, 4) for i in range(int(round((hi - lo) / step)) + 1)]
 
 
+_COARSE_RATES = _grid(0.05, 0.95, 0.05)
+
+
+def _rates_near(a: float) -> list[float]:
+    """The fine grid around a coarse best rate (the fits search coarse, then fine)."""
+    return _grid(max(a - 0.04, 0.02), min(a + 0.04, 0.98), 0.01)
+
+
 MAX_FITTED_DEPTH = 8
 """Depths beyond this share the last fitted rate (few trees reach them)."""
 MIN_TRIALS_PER_DEPTH = 12
@@ -224,19 +232,17 @@ def fit_rank_acceptance(trials: list[tuple[int, int, int]], top_k: int = 8) -> t
         if len(mine) < MIN_TRIALS_PER_DEPTH:
             break
         counts = _rank_counts(mine, top_k)
-        coarse = max(_grid(0.05, 0.95, 0.05), key=lambda a: _log_likelihood(counts, a, decay))
-        rates.append(max(_grid(max(coarse - 0.04, 0.02), min(coarse + 0.04, 0.98), 0.01),
-                         key=lambda a: _log_likelihood(counts, a, decay)))
+        coarse = max(_COARSE_RATES, key=lambda a: _log_likelihood(counts, a, decay))
+        rates.append(max(_rates_near(coarse), key=lambda a: _log_likelihood(counts, a, decay)))
     return tuple(rates) or (a_all,), decay
 
 
 def _best_pair(counts: list[tuple[int, int, int]]) -> tuple[float, float]:
     """Grid search, coarse then fine around the best: ~300 likelihoods, not ~1000
     (the policy refits every few steps)."""
-    a0, d0 = max(((a, d) for a in _grid(0.05, 0.95, 0.05) for d in _grid(0.1, 0.9, 0.1)),
+    a0, d0 = max(((a, d) for a in _COARSE_RATES for d in _grid(0.1, 0.9, 0.1)),
                  key=lambda ad: _log_likelihood(counts, *ad))
-    fine = [(a, d) for a in _grid(max(a0 - 0.04, 0.02), min(a0 + 0.04, 0.98), 0.01)
-            for d in _grid(max(d0 - 0.1, 0.05), min(d0 + 0.1, 0.95), 0.025)]
+    fine = [(a, d) for a in _rates_near(a0) for d in _grid(max(d0 - 0.1, 0.05), min(d0 + 0.1, 0.95), 0.025)]
     return max(fine, key=lambda ad: _log_likelihood(counts, *ad))
 
 

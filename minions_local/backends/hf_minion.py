@@ -23,11 +23,11 @@ import torch
 from ..speculation.accept import processed_probs
 from .base import CandidateTree, GrowBudget, rank_log_score
 from .compact import CompactModel, supports
+from .hf import CachedModel
 
 
 class CompactMinion(CompactModel):
     exact = False  # a minion's rounding need not match anyone's: the target decides
-from .hf import CachedModel
 
 
 class HFMinion:

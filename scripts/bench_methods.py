@@ -89,9 +89,9 @@ class EngineMethod(Method):
         return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps), out.prefill_seconds)
 
 
-def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy) -> Engine:
+def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy, selection: str = "learned") -> Engine:
     """An engine over `base`'s already loaded target (same tier, dtype, stream options)."""
-    decoder = Decoder(base.decoder.target, list(minions), policy, top_k=base.decoder.top_k)
+    decoder = Decoder(base.decoder.target, list(minions), policy, top_k=base.decoder.top_k, selection=selection)
     return Engine(decoder, base.tokenizer, profile_name=base.profile_name, memory_plan=base.memory_plan)
 
 

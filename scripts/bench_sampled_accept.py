@@ -29,7 +29,7 @@ from bench_prompts import held_out_prompts  # noqa: E402
 
 from minions_local.engine import Engine  # noqa: E402
 from minions_local.speculation.budget import FixedBudget  # noqa: E402
-from minions_local.speculation.decode import Decoder  # noqa: E402
+from bench_methods import engine_sharing_target  # noqa: E402
 
 
 def mean_accepted(engine: Engine, prompts, temperature: float, tokens: int, seeded: bool) -> float:
@@ -61,8 +61,7 @@ def main() -> None:
     print("minions:", [m.name for m in minions])
     result: dict = {"bench": "sampled_accept", "prompts": len(prompts), "tokens": args.tokens, "accepted_per_pass": {}}
     for label, (ms, policy) in shapes.items():
-        decoder = Decoder(base.decoder.target, ms, policy, top_k=8, selection="all")
-        engine = Engine(decoder, base.tokenizer)
+        engine = engine_sharing_target(base, ms, policy, selection="all")
         row = result["accepted_per_pass"][label] = {}
         for t in (float(x) for x in args.temperatures.split(",")):
             for seeded in ((False,) if t == 0 else (False, True)):

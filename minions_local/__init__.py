@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": ("minions_local.engine", "Engine"),
-    "load_profile": ("minions_local.profiles", "load_profile"),
-    "Generation": ("minions_local.events", "Generation"),
-    "StepRecord": ("minions_local.events", "StepRecord"),
-    "MinionsError": ("minions_local.errors", "MinionsError"),
+    "Engine": ("minions_local.engine.engine", "Engine"),
+    "load_profile": ("minions_local.profile.loader", "load_profile"),
+    "Generation": ("minions_local.core.events", "Generation"),
+    "StepRecord": ("minions_local.core.events", "StepRecord"),
+    "MinionsError": ("minions_local.core.errors", "MinionsError"),
 }
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .errors import MinionsError
-    from .events import Generation, StepRecord
-    from .profiles import load_profile
+    from minions_local.engine.engine import Engine
+    from minions_local.core.errors import MinionsError
+    from minions_local.core.events import Generation, StepRecord
+    from minions_local.profile.loader import load_profile
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from minions_local.errors import MinionsError
+from minions_local.core.errors import MinionsError
 from minions_local.profile import load_profile, measure
 from minions_local.profile.loader import apply_overrides, find_profile_file, generated_dir, shipped_dir
 from minions_local.profile.writer import dumps

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import held_out_prompts  # noqa: E402
 
 from minions_local import Engine  # noqa: E402
-from minions_local.profile_engine import engine_kwargs_from_profile  # noqa: E402
+from minions_local.engine.from_profile import engine_kwargs_from_profile  # noqa: E402
 from minions_local.speculation.budget import FixedBudget  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "minions_local" / "demo_models"

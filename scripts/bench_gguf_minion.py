@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minions_local.backends.base import GrowBudget  # noqa: E402
+from minions_local.core.protocols import GrowBudget  # noqa: E402
 from minions_local.backends.gguf import GGUFMinion  # noqa: E402
 from minions_local.backends.gguf_export import export_gguf  # noqa: E402
 from minions_local.backends.hf import load_causal_lm, resolve_dtype  # noqa: E402

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from minions_local import Engine
-from minions_local.events import StepRecord
+from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import BudgetPolicy
 from minions_local.speculation.decode import Decoder
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from bench_prompts import held_out_prompts  # noqa: E402
 from minions_local import Engine  # noqa: E402
-from minions_local.events import TreeSnapshot  # noqa: E402
+from minions_local.core.events import TreeSnapshot  # noqa: E402
 
 
 def most_probable_leaf(tree: TreeSnapshot) -> int:

@@ -17,8 +17,8 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header
 from textual.worker import Worker, get_current_worker
 
-from ..errors import MinionsError
-from .bridge import (
+from minions_local.core.errors import MinionsError
+from minions_local.tui.bridge import (
     DEFAULT_PROFILE,
     DaemonExecutor,
     EngineFactory,
@@ -27,8 +27,8 @@ from .bridge import (
     load_engine,
     unexpected,
 )
-from .commands import is_command
-from .messages import (
+from minions_local.tui.commands import is_command
+from minions_local.tui.messages import (
     EngineFailed,
     EngineReady,
     LoadProgressed,
@@ -37,13 +37,13 @@ from .messages import (
     ReplyFinished,
     StatsUpdated,
 )
-from .screens import ErrorScreen
-from .keys import QUIT_WINDOW, KeyActions
-from .slash import SlashCommands
-from .stats import GenerationStats
-from .store import Conversation, ConversationStore
-from .tree_view import minion_colors
-from .widgets import (
+from minions_local.tui.screens import ErrorScreen
+from minions_local.tui.keys import QUIT_WINDOW, KeyActions
+from minions_local.tui.slash import SlashCommands
+from minions_local.tui.stats import GenerationStats
+from minions_local.tui.store import Conversation, ConversationStore
+from minions_local.tui.tree_view import minion_colors
+from minions_local.tui.widgets import (
     AssistantMessage,
     ChatLog,
     LoadingPanel,

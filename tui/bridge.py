@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MinionsError
-from ..events import DoneEvent, Generation, LoadProgress, StepEvent, TokenEvent, TreeSnapshot
-from .stats import GenerationStats
+from minions_local.core.errors import MinionsError
+from minions_local.core.events import DoneEvent, Generation, LoadProgress, StepEvent, TokenEvent, TreeSnapshot
+from minions_local.tui.stats import GenerationStats
 
 log = logging.getLogger("minions_local.tui")
 
@@ -30,7 +30,7 @@ EngineFactory = Callable[..., Any]
 def load_engine(profile: str, *, progress: Callable[[LoadProgress], None], **overrides: Any) -> Any:
     """The real factory: `Engine.from_profile`, imported lazily."""
     try:
-        from ..engine import Engine
+        from minions_local.engine import Engine
     except ImportError as err:
         raise MinionsError(
             f"The inference engine could not be imported ({err}). Install minions-local "

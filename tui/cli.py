@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from ..errors import MinionsError
-from .bridge import DEFAULT_PROFILE, EngineFactory, load_engine, overrides_from
+from minions_local.core.errors import MinionsError
+from minions_local.tui.bridge import DEFAULT_PROFILE, EngineFactory, load_engine, overrides_from
 
 DESCRIPTION = """\
 Chat with a big local model that several small 'minion' models speed up (lossless
@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _report(kind: str, profile: str, out: TextIO, err: TextIO) -> int:
     """--plan and --list-profiles come from the profiles module."""
     try:
-        from .. import profiles
+        from minions_local import profiles
     except ImportError:
-        err.write(f"minions-chat: --{kind} needs minions_local.profiles, which this build lacks.\n")
+        err.write(f"minions-chat: --{kind} needs minions_local.profile.cli, which this build lacks.\n")
         return 2
     try:
         if kind == "plan":
@@ -101,12 +101,12 @@ def main(
     if args.list_profiles:
         return _report("list-profiles", args.profile, stdout, stderr)
 
-    from .store import Conversation, ConversationStore
+    from minions_local.tui.store import Conversation, ConversationStore
 
     store = store or ConversationStore()
     overrides = overrides_from(args.target, args.minions)
     if args.plain or not stdin.isatty() or not stdout.isatty():
-        from .plain import PlainIO, run_plain
+        from minions_local.tui.plain import PlainIO, run_plain
 
         conversation = Conversation(profile=args.profile)
         if args.resume is not None and stdin.isatty():
@@ -134,7 +134,7 @@ def main(
             stderr.write("\n")
             return 130
 
-    from .app import ChatApp, ChatOptions
+    from minions_local.tui.app import ChatApp, ChatOptions
 
     options = ChatOptions(
         profile=args.profile,

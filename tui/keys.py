@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .bridge import request_stop
-from .widgets import StatsPanel, TreePanel
+from minions_local.tui.bridge import request_stop
+from minions_local.tui.widgets import StatsPanel, TreePanel
 
 if TYPE_CHECKING:
-    from .app import ChatApp
+    from minions_local.tui.app import ChatApp
 
 QUIT_WINDOW = 2.0
 """Seconds within which a second Ctrl+C quits."""

@@ -11,8 +11,8 @@ from typing import Any
 
 from textual.message import Message
 
-from ..events import Generation, LoadProgress, TreeSnapshot
-from .stats import GenerationStats
+from minions_local.core.events import Generation, LoadProgress, TreeSnapshot
+from minions_local.tui.stats import GenerationStats
 
 
 @dataclass

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..errors import MinionsError
-from ..events import LoadProgress
-from .bridge import EngineFactory, Outcome, deferred, drive, request_stop, unexpected
-from .commands import CommandError, is_command, parse_command
-from .stats import format_bytes
-from .store import Conversation, ConversationStore
+from minions_local.core.errors import MinionsError
+from minions_local.core.events import LoadProgress
+from minions_local.tui.bridge import EngineFactory, Outcome, deferred, drive, request_stop, unexpected
+from minions_local.tui.commands import CommandError, is_command, parse_command
+from minions_local.tui.stats import format_bytes
+from minions_local.tui.store import Conversation, ConversationStore
 
 PLAIN_HELP = (
     "Type a message and press Enter; end a line with \\ to continue it, or wrap lines in \"\"\".\n"

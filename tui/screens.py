@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from .store import Conversation
+from minions_local.tui.store import Conversation
 
 
 class ErrorScreen(ModalScreen[str]):

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Group
 from rich.text import Text
 
-from ..errors import MinionsError
-from .commands import HELP, Command, CommandError, parse_command
-from .screens import ConversationPicker
-from .stats import GenerationStats, render_stats
-from .store import Conversation
-from .tree_view import minion_colors
-from .widgets import AssistantMessage, MarkdownNote, Note, StatsPanel, TreePanel, UserMessage
+from minions_local.core.errors import MinionsError
+from minions_local.tui.commands import HELP, Command, CommandError, parse_command
+from minions_local.tui.screens import ConversationPicker
+from minions_local.tui.stats import GenerationStats, render_stats
+from minions_local.tui.store import Conversation
+from minions_local.tui.tree_view import minion_colors
+from minions_local.tui.widgets import AssistantMessage, MarkdownNote, Note, StatsPanel, TreePanel, UserMessage
 
 if TYPE_CHECKING:
-    from .app import ChatApp
+    from minions_local.tui.app import ChatApp
 
 BUSY = {"new", "load", "profile"}
 """Commands that would pull the conversation or the engine from under a running reply."""
@@ -186,7 +186,7 @@ class SlashCommands:
 def _profiles_text(current: str) -> str:
     lines = [f"current profile: {current}"]
     try:
-        from ..profiles import available_profiles
+        from minions_local.profile.cli import available_profiles
     except ImportError:
         lines.append("(the profile list is not available in this build)")
     else:

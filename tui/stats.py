@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..events import StepRecord
+from minions_local.core.events import StepRecord
 
 RECENT = 48
 """How many recent passes the tokens-per-pass sparkline keeps."""

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import MinionsError
+from minions_local.core.errors import MinionsError
 
 FORMAT_VERSION = 1
 

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.text import Text
 from rich.tree import Tree
 
-from ..events import TreeSnapshot
+from minions_local.core.events import TreeSnapshot
 
 PALETTE = ["#4fc1ff", "#ff79c6", "#f1fa8c", "#ffb86c", "#bd93f9", "#8be9fd", "#ff5555"]
 ACCEPTED = "bold #50fa7b"

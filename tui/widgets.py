@@ -13,10 +13,10 @@ from textual.widgets import Label, Markdown, ProgressBar, Sparkline, Static, Tex
 from textual.timer import Timer
 from textual.widgets.markdown import MarkdownStream
 
-from ..events import LoadProgress, TreeSnapshot
-from .messages import PromptSubmitted
-from .stats import GenerationStats, format_bytes, render_stats
-from .tree_view import render_tree
+from minions_local.core.events import LoadProgress, TreeSnapshot
+from minions_local.tui.messages import PromptSubmitted
+from minions_local.tui.stats import GenerationStats, format_bytes, render_stats
+from minions_local.tui.tree_view import render_tree
 
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter", "ctrl+enter")
 

@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .hf import CachedModel
+from minions_local.backends.hf import CachedModel
 
 
 class CompactDecoder:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..offload.streamed import layer_store, layer_weights
-from .compact import CompactDecoder, packing_is_exact
+from minions_local.offload.streamed import layer_store, layer_weights
+from minions_local.backends.compact import CompactDecoder, packing_is_exact
 
 
 class StreamedCompactDecoder(CompactDecoder):

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelLoadError, VocabularyMismatchError
-from .base import CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
+from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
 
 _INSTALL_HINT = (
     "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "

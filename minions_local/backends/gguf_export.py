@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ModelLoadError
+from minions_local.core.errors import ModelLoadError
 
 GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
 
@@ -323,7 +323,7 @@ def quantize_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], type
     """Convert an f32/f16 GGUF to `type` with llama.cpp's own quantizer."""
     import ctypes
 
-    from .gguf import import_llama_cpp
+    from minions_local.backends.gguf import import_llama_cpp
 
     llama_cpp = import_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()

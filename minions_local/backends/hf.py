@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from ..errors import ModelLoadError
-from ..speculation.tree import tree_attention_mask
-from .base import common_prefix_len
+from minions_local.core.errors import ModelLoadError
+from minions_local.core.tree import tree_attention_mask
+from minions_local.core.protocols import common_prefix_len
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 DTYPES = {
@@ -37,7 +37,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def check_model_folder(path: str | Path, role: str) -> Path:
     """Fail early, with a remedy, on a folder that cannot be a model."""
-    from ..demo import is_demo_path, verify_member
+    from minions_local.models.demo import is_demo_path, verify_member
 
     path = Path(path).expanduser()
     if is_demo_path(path):

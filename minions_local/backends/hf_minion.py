@@ -20,10 +20,10 @@ import itertools
 import numpy as np
 import torch
 
-from ..speculation.accept import processed_probs
-from .base import CandidateTree, GrowBudget, rank_log_score
-from .compact import CompactModel, supports
-from .hf import CachedModel
+from minions_local.core.sampling import processed_probs
+from minions_local.core.protocols import CandidateTree, GrowBudget, rank_log_score
+from minions_local.backends.compact import CompactModel, supports
+from minions_local.backends.hf import CachedModel
 
 
 class CompactMinion(CompactModel):

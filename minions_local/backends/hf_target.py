@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from ..speculation.tree import TokenTree
-from .compact import CompactModel, supports
-from .compact_streamed import StreamedCompactDecoder
-from .hf import CachedModel
+from minions_local.core.tree import TokenTree
+from minions_local.backends.compact import CompactModel, supports
+from minions_local.backends.compact_streamed import StreamedCompactDecoder
+from minions_local.backends.hf import CachedModel
 
 
 class HFTarget(CachedModel):

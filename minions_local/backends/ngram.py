@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelLoadError
-from .base import CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.errors import ModelLoadError
+from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
 
 _SPEC_KEYS: dict[str, Callable[[str], Any]] = {
     "name": str, "max_match": int, "min_match": int, "max_occurrences": int, "unknown_mass": float,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from minions_local.errors import ModelLoadError
+from minions_local.core.errors import ModelLoadError
 
 
 class Checkpoint:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minions_local.errors import MemoryPlanError, ModelLoadError
+from minions_local.core.errors import MemoryPlanError, ModelLoadError
 from minions_local.offload.layout import BLOCK, LayerLayout, round_up
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MemoryPlanError
-from ..profile.dims import ModelDims, bytes_per_param, dims_for
-from ..profile.schema import Minion, Profile
+from minions_local.core.errors import MemoryPlanError
+from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
+from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
 TIERS = ("device", "ram", "disk")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from minions_local.errors import ModelLoadError
+from minions_local.core.errors import ModelLoadError
 from minions_local.offload.checkpoint import Checkpoint
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minions_local.errors import MemoryPlanError, ModelLoadError
-from minions_local.events import LoadProgress
+from minions_local.core.errors import MemoryPlanError, ModelLoadError
+from minions_local.core.events import LoadProgress
 from minions_local.offload.checkpoint import Checkpoint, folder_key
 from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats

@@ -17,8 +17,8 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ValidationError
 
-from ..errors import ProfileError
-from .schema import Profile
+from minions_local.core.errors import ProfileError
+from minions_local.profile.schema import Profile
 
 MODELS_DIR_ENV = "MINIONS_MODELS_DIR"
 DEFAULT_MODELS_DIR = "~/models"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
-from ..events import StepRecord
+from minions_local.core.events import StepRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ simple tree model, not a measurement. The engine can pass its own calibrated nod
 scores instead (`best_verify_size`). Online refinement: `refined(...)` refits the
 coefficients to measured (N, seconds) samples (cost_fit.py).
 
-    model = CostModel.from_profile(load_profile("rtx4090-70b"))   # prior (cost_prior.py)
+    model = cost_model_from_profile(load_profile("rtx4090-70b"))   # prior (profile/cost_prior.py)
     choice = model.best_budget(0.8, max_nodes=512, max_depth=24)  # BudgetChoice
     model = model.refined(verify_samples=[(nodes, seconds), ...])
     # or, as a decoder BudgetPolicy that does all of this online: cost_policy.CostModelBudget
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from .cost_fit import PRIOR_WEIGHT, fit_hinge, fit_line
+from minions_local.speculation.cost_fit import PRIOR_WEIGHT, fit_hinge, fit_line
 
 Acceptance = float | Sequence[float]
 
@@ -218,14 +218,6 @@ class CostModel:
             g.fit(grow_samples[g.name], weight) if grow_samples.get(g.name) else g for g in self.grow
         )
         return replace(self, verify=verify, grow=grow)
-
-    # -- construction ----------------------------------------------------------------
-    @classmethod
-    def from_profile(cls, profile, plan=None, *, context: int = 1024) -> "CostModel":
-        """Prior coefficients from a profile and its memory plan (planned if not given)."""
-        from .cost_prior import cost_model_from_profile
-
-        return cost_model_from_profile(profile, plan, context=context)
 
 
 # -- the acceptance estimate ---------------------------------------------------------------

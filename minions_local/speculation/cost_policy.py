@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from statistics import median
 
-from ..events import StepRecord
-from .budget import REGIMES, StepBudget, grow_shape
-from .cost import SIBLING_DECAY, CostModel, expected_accepted
+from minions_local.core.events import StepRecord
+from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
+from minions_local.speculation.cost import SIBLING_DECAY, CostModel, expected_accepted
 
 
 @dataclass
@@ -70,14 +70,6 @@ class CostModelBudget:
         self._steps = deque(maxlen=self.window)
         self.rates = {regime: self.acceptance for regime in REGIMES} | self.rates
         self.decays = {regime: SIBLING_DECAY for regime in REGIMES} | self.decays
-
-    @classmethod
-    def from_profile(cls, profile, plan=None, **kwargs) -> "CostModelBudget":
-        """Prior from the profile (memory plan included); limits from profile.speculation."""
-        spec = profile.speculation
-        limits = dict(min_nodes=spec.min_budget, max_nodes=spec.max_budget, max_depth=spec.max_depth,
-                      top_k=spec.top_k)
-        return cls(CostModel.from_profile(profile, plan), **{**limits, **kwargs})
 
     def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         depth_cap = max(0, min(self.max_depth, remaining_tokens - 1))

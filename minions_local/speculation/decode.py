@@ -18,14 +18,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..backends.base import CandidateTree, GrowBudget, Minion, prefill
-from ..backends.hf_target import HFTarget
-from ..events import StepRecord, TreeSnapshot
-from .accept import SamplingParams, accept
-from .budget import BudgetPolicy, StepBudget, width_for
-from .tree import TokenTree
-from .selection import MinionSelector, expected_accepted
-from .vote import merge_proposals, source_shares
+from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, prefill
+from minions_local.backends.hf_target import HFTarget
+from minions_local.core.events import StepRecord, TreeSnapshot
+from minions_local.core.sampling import SamplingParams
+from minions_local.speculation.accept import accept
+from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
+from minions_local.core.tree import TokenTree
+from minions_local.speculation.selection import MinionSelector, expected_accepted
+from minions_local.speculation.vote import merge_proposals, source_shares
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .tree import TokenTree
+from minions_local.core.tree import TokenTree
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:

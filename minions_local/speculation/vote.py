@@ -19,8 +19,8 @@ from __future__ import annotations
 import heapq
 import math
 
-from ..backends.base import CandidateTree, rank_log_score
-from .tree import TokenTree
+from minions_local.core.protocols import CandidateTree, rank_log_score
+from minions_local.core.tree import TokenTree
 
 
 def merge_proposals(root_token: int, proposals: list[CandidateTree | None], weights: list[float],

@@ -1,0 +1,137 @@
+"""The two narrow interfaces the decode loop talks to.
+
+A *minion* proposes a candidate tree below the last committed token; a *target*
+scores a packed tree in one pass and keeps the accepted path in its KV cache. HF,
+GGUF and n-gram minions, resident and streamed targets, differ only behind these.
+
+Token conventions shared by every backend: `context` is the full list of committed
+token ids (prompt + generated). Its last token is the tree's *root*: it has not been
+run through the model yet, so every backend caches at most `context[:-1]` between
+steps and feeds the root together with the tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from minions_local.core.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class GrowBudget:
+    """How large a tree one minion may grow this step."""
+
+    max_nodes: int
+    """Draft nodes at most (the root is not counted)."""
+    max_depth: int
+    """Levels below the root at most (1 = only children of the root)."""
+    width: int = 8
+    """Nodes added per forward pass: 1 grows a chain; more grows a bushier tree."""
+    top_k: int = 8
+    """Children considered per expanded node."""
+    sampling: SamplingParams | None = None
+    """Set when the target samples: a minion that can sample draws its children from
+    its own distribution under these same settings (see accept.py for why that helps
+    and what it requires). None: propose deterministically (greedy decoding, or a
+    minion that cannot sample)."""
+    generator: torch.Generator | None = None
+    """The draft randomness, derived from the request seed so seeded runs repeat."""
+    vocab_limit: int | None = None
+    """The target's vocabulary size: a sampling minion draws only below it, because a
+    sampled token the target cannot embed could not be dropped without bias."""
+
+
+@dataclass(slots=True)
+class CandidateTree:
+    """A minion's proposal. Node i has token tokens[i] and parent parents[i] (-1 = root).
+
+    Parents always come before their children. `logprobs[i]` is the minion's
+    cumulative log-probability of the path root -> i, used as its vote.
+
+    `draws` marks sampled proposals: parent node (-1 = the root) -> the distribution
+    its children were drawn from, without replacement, in node order (the first child
+    is the first draw). Children of any other node are deterministic proposals.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    draws: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, logprob: float) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.logprobs.append(float(logprob))
+        return len(self.tokens) - 1
+
+    def depth(self) -> int:
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+
+RANK_ACCEPT = 0.8
+"""Static guess of how often a first-drawn sample is accepted; each later draw at the
+same node is guessed half as likely as the one before."""
+
+
+def rank_log_score(rank: int) -> float:
+    """Log of the static score factor of a node's `rank`-th draw (1-based).
+
+    Sampled trees are shaped by these scores alone, never by the drawn tokens or
+    their probabilities: which draws are kept must not depend on their values, or the
+    kept draws would no longer follow the distribution they were drawn from.
+    """
+    return math.log(RANK_ACCEPT) + (rank - 1) * math.log(0.5)
+
+
+@runtime_checkable
+class Minion(Protocol):
+    """A small model (or cheap heuristic) that proposes continuations."""
+
+    name: str
+    vocab_size: int
+
+    def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
+        """Propose a tree below context[-1]. Reuses its cache for the longest common
+        prefix with what it saw before, so any context (a new chat turn, a rollback)
+        is valid."""
+        ...
+
+    def commit(self, accepted: list[int]) -> None:
+        """The target accepted `accepted` (draft path tokens + the bonus token) after
+        the last grow(). Keep what is reusable from the tree, drop the rest."""
+        ...
+
+    def reset(self) -> None:
+        """Forget all cached state."""
+        ...
+
+    # Optional: `depth_is_free = True` on a minion whose grow time does not grow with
+    # depth (the n-gram minion); it then grows to the step's depth cap.
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: what a cache can keep."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefill(minion: Minion, context: list[int]) -> None:
+    """Let a minion catch up on a new prompt before the first step, if it can, so
+    that its per-step grow time (which decides whether it runs) is not charged for it."""
+    catch_up = getattr(minion, "prefill", None)
+    if catch_up is not None:
+        catch_up(context)

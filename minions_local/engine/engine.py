@@ -1,0 +1,340 @@
+"""The public engine: load a target and its minions, generate, stream, chat.
+
+One code path serves the TUI, the Python API and the benchmarks. `stream()` is a
+generator of events (new text, one stats record per target pass, then the result);
+`generate()` and `chat()` drain it. Between calls the engine keeps the KV caches
+of the last sequence, so a chat turn (or any prompt that extends the previous one)
+only runs its new tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from minions_local.core.protocols import Minion
+from minions_local.backends.hf import resolve_dtype
+from minions_local.core.errors import ContextOverflowError, GenerationCancelled, MinionsError, RequestError
+from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, StepEvent, TokenEvent
+from minions_local.engine.loading import context_limit, load_minion, load_target, unique_names
+from minions_local.core.sampling import SamplingParams
+from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
+from minions_local.speculation.decode import Decoder, snapshot
+from minions_local.engine.text import IncrementalText, find_stop, render_chat
+
+Messages = Sequence[dict[str, str]]
+
+
+class Engine:
+    """A target model, its minions and the decode loop between them.
+
+    Build it with `Engine.from_pretrained(...)` or `Engine.from_profile(...)`.
+    Not thread-safe for concurrent generations: one generation at a time.
+    """
+
+    def __init__(self, decoder: Decoder, tokenizer, *, profile_name: str = "", memory_plan: Any = None) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.profile_name = profile_name
+        self.memory_plan = memory_plan
+        self.context_length = context_limit(decoder.target)
+        self._busy = threading.Lock()
+        self._cancel = threading.Event()
+        self.eos_ids = _eos_ids(decoder.target.model, tokenizer)
+
+    # --- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path,
+        minions: Sequence[str | Path | Minion] = (),
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        target_tier: str = "device",
+        budget: int | str | BudgetPolicy = "adaptive",
+        max_depth: int = 8,
+        top_k: int = 8,
+        selection: str = "learned",
+        threads: int | None = None,
+        progress: Callable[[LoadProgress], None] | None = None,
+        stream_options: dict[str, Any] | None = None,
+        profile_name: str = "",
+        memory_plan: Any = None,
+    ) -> Engine:
+        """Load a target and minions from Hugging Face folders (minions may also be
+        `.gguf` files or "ngram").
+
+        budget: draft nodes verified per pass: an int (fixed), "adaptive" (depth follows
+            acceptance), or a BudgetPolicy object. `minions=[]` decodes autoregressively.
+        max_depth: deepest tree level (for a fixed budget; the adaptive start depth).
+        top_k: children each minion considers per expanded node.
+        selection: "learned" (vote weights follow acceptance; a minion whose marginal
+            tokens are not worth its time sits out), "all" (weights learn, all run),
+            "equal" (all run, equal votes).
+        threads: torch CPU threads (None keeps torch's default).
+        stream_options: passed to the layer streamer when the target is streamed
+            (quant, buffers, cache_dir, layer_tiers).
+        """
+        if threads:
+            torch.set_num_threads(threads)
+        torch_dtype = resolve_dtype(dtype)
+        target_model, tokenizer = load_target(target, dtype=torch_dtype, device=device, tier=target_tier,
+                                              progress=progress, stream_options=stream_options or {})
+        loaded = [
+            load_minion(spec, index=i, target_path=Path(target), target_tokenizer=tokenizer,
+                        target_vocab=target_model.vocab_size, dtype=torch_dtype, device=device, progress=progress)
+            for i, spec in enumerate(minions)
+        ]
+        unique_names(loaded)
+        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k, selection=selection)
+        return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
+
+    @classmethod
+    def from_profile(cls, name_or_path: str | Path = "cpu-demo", *,
+                     progress: Callable[[LoadProgress], None] | None = None, **overrides: Any) -> Engine:
+        """Load what a hardware profile describes (see profiles/); keyword overrides
+        (target=PATH, minions=[...], tier=..., and from_pretrained options) win."""
+        from minions_local.engine.from_profile import engine_kwargs_from_profile
+
+        kwargs = engine_kwargs_from_profile(name_or_path, **overrides)
+        return cls.from_pretrained(progress=progress, **kwargs)
+
+    # --- information for callers ------------------------------------------------------
+
+    @property
+    def minion_names(self) -> list[str]:
+        return [m.name for m in self.decoder.minions]
+
+    @property
+    def minions(self) -> list[Minion]:
+        return self.decoder.minions
+
+    def memory_by_tier(self) -> dict[str, int]:
+        if self.memory_plan is not None and hasattr(self.memory_plan, "bytes_by_tier"):
+            return dict(self.memory_plan.bytes_by_tier)
+        from minions_local.engine.memory import measured_bytes_by_tier
+
+        return measured_bytes_by_tier(self)
+
+    def memory_plan_text(self) -> str:
+        if self.memory_plan is not None and hasattr(self.memory_plan, "format"):
+            return self.memory_plan.format()
+        from minions_local.engine.memory import describe_placement
+
+        return describe_placement(self)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise MinionsError("This target folder has no tokenizer, so text prompts cannot be encoded; "
+                               "pass a list of token ids instead.")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next prompt is prefilled from scratch)."""
+        self.decoder.reset()
+
+    def cancel(self) -> None:
+        """Ask a running generation (in another thread) to stop after the current pass."""
+        self._cancel.set()
+
+    # --- generation -------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
+        """Generate a completion; see `stream` for the arguments."""
+        return _drain(self.stream(prompt, **kwargs))
+
+    def chat(self, messages: Messages, **kwargs: Any) -> Generation:
+        """The assistant's reply to a conversation; see `stream` for the arguments."""
+        return _drain(self.stream_chat(messages, **kwargs))
+
+    def stream_chat(self, messages: Messages, **kwargs: Any) -> Iterator[Event]:
+        """Like `stream`, for a list of {"role", "content"} messages. The prompt uses the
+        tokenizer's chat template when it has one; earlier turns are not re-run."""
+        if self.tokenizer is None:
+            raise MinionsError("chat needs a tokenizer, and the target folder has none.")
+        text = render_chat(self.tokenizer, list(messages))
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        ids = self.tokenizer.encode(text, add_special_tokens=not templated)
+        return self.stream(ids, **kwargs)
+
+    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: str | Sequence[str] | None = None) -> Iterator[Event]:
+        """Yield TokenEvent / StepEvent as target passes complete, then one DoneEvent.
+
+        prompt: text or token ids. temperature 0 is greedy (token-identical to the
+        target alone); otherwise samples exactly from the target's distribution after
+        temperature, top_k (0 = off) and top_p. Without a seed the minions draw their
+        drafts too (verified by recursive rejection sampling), which the target accepts
+        far more often. With a seed the output repeats exactly, on any engine state:
+        the drafts are then the minions' top tokens and every committed token is one
+        seeded draw from the target, which costs acceptance (1.6-1.7 instead of 3.0-4.1
+        tokens per pass on the demo family at temperature 0.7: scripts/bench_sampled_accept.py).
+        stop: strings that end the reply (not included). Errors about the request
+        (context overflow, bad arguments) are raised before any work is done.
+        """
+        ids = self._prompt_ids(prompt)
+        try:
+            params = SamplingParams(temperature, top_p, top_k)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > self.context_length:
+            raise ContextOverflowError(
+                f"The prompt is {len(ids)} tokens and max_new_tokens is {max_new_tokens}: {len(ids) + max_new_tokens}"
+                f" exceeds the target's context window of {self.context_length} tokens. Shorten the prompt, lower "
+                f"max_new_tokens (/max in the chat), or start a new conversation (/new).")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return self._run(ids, params, max_new_tokens, seed, stops)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            bos = getattr(self.tokenizer, "bos_token_id", None) or (self.eos_ids[0] if self.eos_ids else None)
+            if bos is None:
+                raise MinionsError("The prompt is empty and the model has no BOS token to start from.")
+            ids = [bos]
+        vocab = self.decoder.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"Prompt token ids {bad[:5]} are outside the target's vocabulary (0..{vocab - 1}); "
+                               f"encode prompts with this model's tokenizer.")
+        return ids
+
+    def _run(self, ids: list[int], params: SamplingParams, max_new: int, seed: int | None,
+             stops: list[str]) -> Iterator[Event]:
+        if not self._busy.acquire(blocking=False):
+            raise MinionsError("A generation is already running on this engine; wait for it or cancel it.")
+        try:
+            self._cancel.clear()
+            generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+            context = list(ids)
+            t0 = time.perf_counter()
+            self._guarded(lambda: self.decoder.prefill(context))
+            prefill = time.perf_counter() - t0
+            text = IncrementalText(self.tokenizer)
+            out = _Output(stops)
+            steps = []
+            finish = "length"
+            while len(out.ids) < max_new:
+                if self._cancel.is_set():
+                    finish = "cancelled"
+                    break
+                result = self._guarded(lambda: self.decoder.step(context, params, generator, max_new - len(out.ids),
+                                                                  reproducible=seed is not None))
+                new = result.tokens
+                eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+                if eos_at is not None:
+                    new, finish = new[: eos_at + 1], "stop"
+                context.extend(new)
+                text.push(new)
+                delta, hit_stop = out.add(new, text.text)
+                if hit_stop:
+                    finish = "stop"
+                result.record.new_tokens = len(new)
+                if self.decoder.keep_trees:
+                    result.record.tree = snapshot(result, self.minion_names, self._token_text)
+                steps.append(result.record)
+                yield TokenEvent(new, delta)
+                yield StepEvent(result.record)
+                if finish == "stop":
+                    break
+            if finish != "stop":
+                text.flush()
+                tail, _ = out.add([], text.text, final=True)
+                if tail:
+                    yield TokenEvent([], tail)
+            yield DoneEvent(Generation(token_ids=out.ids, text=out.text, steps=steps, finish_reason=finish,
+                                       prompt_tokens=len(ids), prefill_seconds=prefill))
+        finally:
+            self._busy.release()
+
+    def _guarded(self, work: Callable[[], Any]) -> Any:
+        """Run model work; if it is interrupted half-way (Ctrl-C, an error), the caches
+        may be half-written, so drop them: the next call re-prefills, nothing is lost."""
+        try:
+            return work()
+        except BaseException:
+            self.decoder.reset()
+            raise
+
+    def _token_text(self, token: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode([token])
+
+
+class _Output:
+    """The reply as it grows: stop strings end it, and text that might be the start of
+    a stop string is held back until it is clear."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""
+        self._stopped = False
+
+    def add(self, ids: list[int], full_text: str, final: bool = False) -> tuple[str, bool]:
+        if self._stopped:
+            return "", True
+        self.ids.extend(ids)
+        cut = find_stop(full_text, self.stops)
+        if cut >= 0:
+            self._stopped = True
+            visible = full_text[:cut]
+        elif final:
+            visible = full_text
+        else:
+            visible = full_text[: len(full_text) - _partial_stop(full_text, self.stops)]
+        delta = visible[len(self.text):] if len(visible) > len(self.text) else ""
+        self.text = max(self.text, visible, key=len)
+        return delta, self._stopped
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _drain(events: Iterator[Event]) -> Generation:
+    for event in events:
+        if isinstance(event, DoneEvent):
+            return event.generation
+    raise GenerationCancelled("generation ended without a result")
+
+
+def make_policy(budget: int | str | BudgetPolicy, max_depth: int) -> BudgetPolicy:
+    if isinstance(budget, bool):
+        raise ValueError("budget must be an int, 'adaptive' or a BudgetPolicy")
+    if isinstance(budget, int):
+        return FixedBudget(nodes=budget, depth=max_depth)
+    if budget == "adaptive":
+        return AdaptiveDepth(nodes=32, depth=min(6, max_depth), max_depth=max(max_depth, 16))
+    if isinstance(budget, str):
+        raise ValueError(f"budget must be an int, 'adaptive' or a BudgetPolicy, got {budget!r}")
+    return budget

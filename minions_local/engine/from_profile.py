@@ -1,0 +1,90 @@
+"""From a profile to `Engine.from_pretrained` arguments (used by `Engine.from_profile`).
+
+The profile says what the machine and models are; the memory plan says where each
+target layer lives; the cost model (as a budget policy) says how large each tree is.
+This module only translates, so the engine never reads TOML and the profile package
+never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from minions_local.offload.plan import MemoryPlan, plan_memory
+from minions_local.profile import Profile, load_profile
+
+
+def engine_kwargs_from_profile(
+    name_or_path: str | os.PathLike,
+    *,
+    target: str | None = None,
+    minions: Iterable[str] | None = None,
+    tier: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Keyword arguments for Engine.from_pretrained; `options` (its own keywords) win.
+
+    target / minions / tier: the same overrides as load_profile (the CLI's --target,
+    --minion). Raises ProfileError or MemoryPlanError with a message for the user.
+    """
+    profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
+    plan = plan_memory(profile)
+    kwargs = {
+        "target": profile.target.path,
+        "minions": [minion_spec(m, profile.hardware.device) for m in profile.minions],
+        "device": profile.hardware.device,
+        "dtype": profile.target.dtype,
+        "target_tier": engine_tier(plan),
+        "budget": budget_policy(profile, plan),
+        "max_depth": profile.speculation.max_depth,
+        "top_k": profile.speculation.top_k,
+        "stream_options": stream_options(profile, plan),
+        "profile_name": profile.name,
+        "memory_plan": plan,
+    }
+    kwargs.update(options)
+    return kwargs
+
+
+def minion_spec(minion, device: str) -> Any:
+    """What the loader needs of a profile's minion: its path and placement options."""
+    from minions_local.engine.loading import MinionSpec
+
+    if minion.kind == "ngram":
+        return "ngram"
+    return MinionSpec(path=str(minion.path), name=minion.name, quantization=minion.quantization,
+                      device=minion.device or device, dtype=minion.dtype)
+
+
+def engine_tier(plan: MemoryPlan) -> str:
+    """The lowest tier any layer uses: what the loader must be able to stream from."""
+    for tier in ("disk", "ram"):
+        if tier in plan.layer_tiers:
+            return tier
+    return "device"
+
+
+def stream_options(profile: Profile, plan: MemoryPlan) -> dict[str, Any]:
+    if engine_tier(plan) == "device":
+        return {}
+    tgt = profile.target
+    # The streaming runtime stores every decoder layer at one quantization; the
+    # streamed one is what sets the bytes per pass.
+    return {
+        "layer_tiers": list(plan.layer_tiers),
+        "quant": tgt.streamed_quantization,
+        "buffers": plan.buffers.count or tgt.layer_buffers,
+        "cache_dir": str(Path(profile.hardware.disk_path).expanduser()),
+    }
+
+
+def budget_policy(profile: Profile, plan: MemoryPlan) -> Any:
+    """The cost-model policy when the profile is adaptive, else its fixed budget."""
+    spec = profile.speculation
+    if not spec.adaptive:
+        return spec.budget
+    from minions_local.profile.cost_prior import budget_from_profile
+
+    return budget_from_profile(profile, plan)

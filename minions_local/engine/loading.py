@@ -1,0 +1,154 @@
+"""Turning paths into ready models: the target, each minion, and the checks between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from minions_local.core.protocols import Minion
+from minions_local.backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
+from minions_local.backends.hf_minion import HFMinion
+from minions_local.backends.hf_target import HFTarget, resident_target, streamed_target
+from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
+from minions_local.core.events import LoadProgress
+from minions_local.engine.text import load_tokenizer
+
+TIERS = ("device", "ram", "disk")
+Progress = Callable[[LoadProgress], None]
+
+
+@dataclass(frozen=True)
+class MinionSpec:
+    """A minion with placement options (what a profile's [[minions]] entry says)."""
+
+    path: str
+    name: str | None = None
+    quantization: str = "none"
+    """'none', or bitsandbytes 'nf4' / 'int8' (pays off on CUDA; works, slowly, on CPU)."""
+    device: str | None = None
+    dtype: str | None = None
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tier: str,
+                progress: Progress | None, stream_options: dict[str, Any]) -> tuple[HFTarget, Any]:
+    """The target wrapped for tree verification, resident or streamed; and its tokenizer."""
+    if tier not in TIERS:
+        raise ValueError(f"target_tier must be one of {TIERS}, got {tier!r}")
+    path = check_model_folder(path, "target")
+    load_config(path, "target")
+    total = _folder_bytes(path)
+    # On a CPU the compute device IS host RAM: the 'ram' tier is the resident model.
+    streamed = tier == "disk" or (tier == "ram" and device != "cpu")
+    if progress:
+        progress(LoadProgress("target", tier, 0, total, "loading"))
+    if streamed:
+        from minions_local.offload.streamed import load_streamed_causal_lm
+
+        model, stats = load_streamed_causal_lm(path, tier=tier, dtype=dtype, device=device, progress=progress,
+                                               **stream_options)
+        target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+        target.stream_stats = stats
+    else:
+        target = resident_target(load_causal_lm(path, "target", dtype, device))
+    if progress:
+        progress(LoadProgress("target", tier, total, total, "ready"))
+    tokenizer = load_tokenizer(path, "target")
+    if tokenizer is not None and len(tokenizer) > target.vocab_size:
+        raise ModelLoadError(f"The tokenizer in {path} has {len(tokenizer)} tokens but the model's embedding has "
+                             f"only {target.vocab_size} rows: they do not belong together. Restore the tokenizer "
+                             f"files that came with these weights.")
+    return target, tokenizer
+
+
+def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
+                dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
+    """A minion from a spec: an HF folder, a .gguf file, 'ngram', a MinionSpec, or a
+    ready Minion object."""
+    if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
+        return spec
+    options = spec if isinstance(spec, MinionSpec) else MinionSpec(str(spec))
+    minion = _load_minion(options, index=index, target_path=target_path, target_tokenizer=target_tokenizer,
+                          target_vocab=target_vocab, dtype=resolve_dtype(options.dtype) or dtype,
+                          device=options.device or device, progress=progress)
+    if options.name:
+        minion.name = options.name
+    return minion
+
+
+def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
+                 dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
+    text = spec.path
+    if text == "ngram" or text.startswith("ngram:"):
+        from minions_local.backends.ngram import NGramMinion
+
+        encode = None
+        if target_tokenizer is not None:
+            encode = lambda s: target_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+        return NGramMinion.from_spec(text, encode=encode)
+    if text.endswith(".gguf"):
+        from minions_local.backends.gguf import GGUFMinion
+
+        minion = GGUFMinion.from_path(Path(text).expanduser())
+        check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
+        return minion
+    path = check_model_folder(text, f"minion {index}")
+    config = load_config(path, f"minion {index}")
+    check_vocabulary(target_path, target_tokenizer, target_vocab, path, load_tokenizer(path, "minion"),
+                     int(config.vocab_size))
+    total = _folder_bytes(path)
+    if progress:
+        progress(LoadProgress(path.name, "device", 0, total, "loading"))
+    model = load_causal_lm(path, f"minion {index}", dtype, device, quantization=spec.quantization)
+    minion = HFMinion(model, name=path.name, release_weights=True)
+    if progress:
+        progress(LoadProgress(path.name, "device", total, total, "ready"))
+    return minion
+
+
+def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_path: Path, minion_tok,
+                     minion_vocab: int) -> None:
+    """A minion must speak the target's vocabulary, or its drafts mean nothing."""
+    if target_tok is not None and minion_tok is not None:
+        t_vocab, m_vocab = _base_vocab(target_tok), _base_vocab(minion_tok)
+        t_size, m_size = len(t_vocab), len(m_vocab)
+        same = t_vocab == m_vocab
+    else:
+        t_size = len(target_tok) if target_tok is not None else target_vocab
+        m_size = minion_vocab
+        same = target_vocab == minion_vocab
+    if not same:
+        raise VocabularyMismatchError(
+            f"The minion {minion_path} does not share the target's vocabulary: target {target_path} has "
+            f"{t_size} tokens, minion has {m_size}{' (a different token mapping)' if t_size == m_size else ''}. "
+            f"Use minions trained on the target's tokenizer (same model family).")
+
+
+def _base_vocab(tokenizer) -> dict[str, int]:
+    """Token -> id of the trained vocabulary. Tokenizer classes add their own special
+    tokens on load (a Qwen2 class adds one to the same tokenizer.json), which says
+    nothing about whether the ids mean the same text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.get_vocab()
+
+
+def unique_names(minions: list[Minion]) -> None:
+    seen: dict[str, int] = {}
+    for m in minions:
+        n = seen.get(m.name, 0)
+        seen[m.name] = n + 1
+        if n:
+            m.name = f"{m.name}#{n + 1}"
+
+
+def context_limit(target: HFTarget) -> int:
+    return context_length(target.model.config)
+
+
+__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "context_limit", "ModelLoadError"]

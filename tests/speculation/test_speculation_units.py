@@ -1,0 +1,229 @@
+"""Trees, voting, masks, positions, acceptance and cache edits, without real models."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minions_local.core.protocols import CandidateTree
+from minions_local.backends.hf import CachedModel
+from minions_local.core.sampling import SamplingParams
+from minions_local.speculation.accept import accept
+from minions_local.speculation.budget import AdaptiveDepth, FixedBudget
+from minions_local.core.tree import TokenTree, causal_attention_mask
+from minions_local.speculation.selection import MinionSelector, contributions, marginal_tokens
+from minions_local.speculation.vote import merge_proposals
+from minions_local.core.events import StepRecord
+
+
+def proposal(*nodes):
+    """nodes: (token, parent, prob)."""
+    t = CandidateTree()
+    for token, parent, p in nodes:
+        t.add(token, parent, math.log(p))
+    return t
+
+
+def test_merge_votes_by_token_path():
+    a = proposal((5, -1, 0.8), (6, 0, 0.6), (7, -1, 0.1))
+    b = proposal((5, -1, 0.5), (9, 0, 0.4))
+    tree = merge_proposals(1, [a, b], [3.0, 1.0])
+    five = tree.child(0, 5)
+    assert tree.parents[five] == 0 and tree.proposers[five] == 0b11
+    assert math.isclose(tree.scores[five], 0.75 * 0.8 + 0.25 * 0.5)
+    six, nine = tree.child(five, 6), tree.child(five, 9)
+    assert math.isclose(tree.scores[six], 0.75 * 0.6) and tree.proposers[six] == 0b01
+    assert math.isclose(tree.scores[nine], 0.25 * 0.4) and tree.proposers[nine] == 0b10
+    assert tree.depths[six] == 2
+
+
+def test_merge_skips_absent_minions_and_out_of_vocab_subtrees():
+    a = proposal((50, -1, 0.9), (3, 0, 0.8), (4, -1, 0.5))
+    tree = merge_proposals(1, [None, a], [1.0, 1.0], vocab_limit=40)
+    assert tree.tokens == [1, 4] and math.isclose(tree.scores[1], 0.5)
+
+
+def test_select_is_connected_best_first_and_depth_limited():
+    tree = TokenTree.from_root(0)
+    a = tree.add(0, 1, 0.9)
+    b = tree.add(a, 2, 0.8)
+    tree.add(b, 3, 0.7)
+    tree.add(0, 4, 0.5)
+    tree.add(a, 5, 0.05)
+    sub = tree.select(max_nodes=3, max_depth=8)
+    assert sub.tokens == [0, 1, 2, 3] and sub.parents == [-1, 0, 1, 2]
+    sub = tree.select(max_nodes=3, max_depth=2)
+    assert sub.tokens == [0, 1, 2, 4]
+    for i, p in enumerate(sub.parents[1:], 1):
+        assert p < i
+
+
+def test_masks_and_positions():
+    tree = TokenTree.from_root(10)
+    a = tree.add(0, 11)
+    tree.add(0, 12)
+    tree.add(a, 13)
+    anc = tree.ancestor_matrix()
+    assert anc.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert tree.position_ids(7).tolist() == [[7, 8, 8, 9]]
+    mask = tree.attention_mask(3, torch.float32)
+    assert mask.shape == (1, 1, 4, 7)
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible[3] == [1, 1, 1, 1, 1, 0, 1] and visible[2] == [1, 1, 1, 1, 0, 1, 0]
+    assert (causal_attention_mask(3, 2, torch.float32)[0, 0] == 0).int().tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_greedy_accept_walks_argmax_and_caps():
+    tree = TokenTree.from_root(0)
+    a = tree.add(0, 1)
+    b = tree.add(a, 2)
+    tree.add(0, 3)
+    logits = torch.full((4, 5), -5.0)
+    logits[0, 1] = logits[a, 2] = logits[b, 4] = 5.0
+    assert accept(tree, logits, SamplingParams()) == ([0, a, b], 4)
+    assert accept(tree, logits, SamplingParams(), max_accept=1) == ([0, a], 2)
+    logits[0, 1], logits[0, 0] = -5.0, 5.0  # target disagrees at the root
+    assert accept(tree, logits, SamplingParams()) == ([0], 0)
+
+
+def test_contributions_and_marginal_tokens():
+    tree = TokenTree.from_root(0)
+    a = tree.add(0, 1, proposers=0b11)
+    b = tree.add(a, 2, proposers=0b01)
+    c = tree.add(b, 3, proposers=0b11)
+    assert contributions(tree, [0, a, b, c], 2) == [3, 2]
+    # Without minion 0 the path stops before b (nobody else proposed it).
+    assert marginal_tokens(tree, [0, a, b, c], 0) == 2
+    assert marginal_tokens(tree, [0, a, b, c], 1) == 0
+
+
+def test_budgets():
+    assert FixedBudget(32, 8).choose(100).width == 4
+    assert FixedBudget(32, 8).choose(1).nodes == 0  # one token left: nothing to draft
+    policy = AdaptiveDepth(nodes=16, depth=4)
+    policy.observe(StepRecord(tree_size=16, accepted=4, t_grow=0, t_verify=0, depth=4))
+    assert policy.depth == 6
+    policy.observe(StepRecord(tree_size=16, accepted=1, t_grow=0, t_verify=0, depth=6))
+    assert policy.depth == 5
+
+
+def test_cache_keep_entries_matches_fresh_run(families):
+    """Keeping the prefix + an accepted path equals running that sequence from scratch."""
+    model = AutoModelForCausalLM.from_pretrained(families["llama"]["target"]).eval()
+    cm = CachedModel(model)
+    prefix = [5, 6, 7, 8]
+    cm.extend(prefix[:-1])
+    tree = TokenTree.from_root(prefix[-1])
+    a = tree.add(0, 20)
+    tree.add(0, 21)
+    b = tree.add(a, 22)
+    tree.add(a, 23)
+    logits = cm.forward(tree.tokens, tree.ancestor_matrix(), tree.depths, 3)
+    cm.keep_entries([0, 1, 2, 3, 3 + a, 3 + b])
+    nxt = cm.forward([30], np.ones((1, 1), dtype=bool), [0], 6)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prefix + [20, 22, 30]])).logits[0]
+    assert torch.allclose(logits[b], ref[-2], atol=1e-4)
+    assert torch.allclose(nxt, ref[-1], atol=1e-4)
+
+
+def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behind(monkeypatch):
+    """Minions prefill in a worker while the target does; an error in either waits for both."""
+    import threading
+    import time
+
+    import torch
+
+    from minions_local.speculation import decode
+
+    class Target:
+        device = torch.device("cpu")
+
+        def __init__(self, fail):
+            self.fail = fail
+
+        def prefill(self, context):
+            if self.fail:
+                raise KeyboardInterrupt  # Ctrl-C while the target reads the prompt
+
+    class SlowMinion:
+        name = "slow"
+
+        def __init__(self):
+            self.done, self.thread = False, None
+
+        def prefill(self, context):
+            time.sleep(0.05)
+            self.thread, self.done = threading.current_thread(), True
+
+    monkeypatch.setattr(decode, "_spare_core", lambda target: True)
+    for fail in (False, True):
+        minion = SlowMinion()
+        decoder = decode.Decoder(Target(fail), [minion], FixedBudget(4, 2))
+        if fail:
+            with pytest.raises(KeyboardInterrupt):
+                decoder.prefill([1, 2, 3])
+        else:
+            decoder.prefill([1, 2, 3])
+        assert minion.done  # the worker finished before prefill returned or raised
+        assert minion.thread is not threading.main_thread()
+
+
+def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
+    """The depth budget bounds the model minions' passes; the n-gram minion pays
+    nothing per level and follows a long repeat as far as the step allows."""
+    import torch
+
+    from minions_local.speculation.budget import StepBudget
+    from minions_local.speculation.decode import Decoder
+
+    class Policy:
+        def choose(self, remaining, regime="greedy"):
+            return StepBudget(nodes=8, depth=2, width=4, depth_cap=8)
+
+        def observe(self, record):
+            pass
+
+    class Recorder:
+        vocab_size = 50
+
+        def __init__(self, name, free):
+            self.name, self.depth_is_free, self.seen = name, free, []
+
+        def grow(self, context, budget):
+            self.seen.append(budget.max_depth)
+            tree = CandidateTree()
+            parent = -1
+            for i in range(budget.max_depth):
+                parent = tree.add(10 + i, parent, -0.01 * (i + 1))
+            return tree
+
+        def commit(self, accepted):
+            pass
+
+        def reset(self):
+            pass
+
+    class Target:
+        device, vocab_size = torch.device("cpu"), 50
+
+        def bytes_streamed(self):
+            return 0
+
+        def verify(self, context, tree):
+            logits = torch.zeros(len(tree), 50)
+            for i in range(len(tree)):
+                logits[i, 10 + tree.depths[i]] = 1.0  # the target follows the chain 10, 11, 12, ...
+            return logits
+
+        def commit(self, tree, path):
+            pass
+
+    model, ngram = Recorder("model", False), Recorder("ngram", True)
+    decoder = Decoder(Target(), [model, ngram], Policy(), selection="all")
+    result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
+    assert model.seen == [2] and ngram.seen == [8]
+    assert result.record.accepted == 8  # the deep chain survived the vote's selection

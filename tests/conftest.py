@@ -1,5 +1,3 @@
-import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -65,20 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(kind: str, profile: str, out: TextIO, err: TextIO) -> int:
-    """--plan and --list-profiles come from the profiles module."""
-    try:
-        from minions_local import profiles
-    except ImportError:
-        err.write(f"minions-chat: --{kind} needs minions_local.profile.cli, which this build lacks.\n")
-        return 2
+    """--plan and --list-profiles: the profile package's report, no weights loaded."""
+    from minions_local.profile import cli
+
     try:
         if kind == "plan":
-            out.write(profiles.plan_report(profile).rstrip("\n") + "\n")
+            out.write(cli.plan_report(profile).rstrip("\n") + "\n")
         else:
-            out.write("\n".join(profiles.available_profiles()) + "\n")
-    except AttributeError as error:
-        err.write(f"minions-chat: --{kind} is not available in this build ({error}).\n")
-        return 2
+            out.write("\n".join(cli.available_profiles()) + "\n")
     except MinionsError as error:
         err.write(f"minions-chat: {error}\n")
         return 1

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from minions_local import demo
+from minions_local.models import demo
 from minions_local.backends.hf import check_model_folder
 from minions_local.core.errors import ModelLoadError
 

@@ -18,7 +18,7 @@ from minions_local.speculation import accept as accept_module
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.speculation.accept import accept
 from minions_local.speculation.vote import merge_proposals, source_shares
-from test_sampling import chi2_pvalue
+from tests.helpers.stats import chi2_pvalue
 from tests.helpers.tiny_models import noisy_copy, random_model, save, tiny_config
 
 VOCAB = 6
@@ -139,7 +139,7 @@ def two_minion_family(tmp_path_factory):
 def test_engine_sampled_drafts_law_of_first_tokens(two_minion_family, monkeypatch):
     """Two real HF minions drawing their trees (duplicates across them are common
     with 12 tokens) plus the n-gram minion: the first two tokens follow the target."""
-    import minions_local.engine as engine_module
+    import minions_local.engine.engine as engine_module
 
     # Unseeded requests draw their drafts; their randomness comes from here (made
     # repeatable for the test without turning them into seeded requests).

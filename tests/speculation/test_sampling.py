@@ -7,29 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.helpers.stats import chi2_pvalue
 from minions_local import Engine
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.speculation.accept import accept
 from minions_local.core.tree import TokenTree
 from tests.helpers.tiny_models import make_family, noisy_copy, random_model, save, tiny_config
-
-
-def chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:
-    """Pearson chi-square p-value, pooling categories with expected count < 5."""
-    stat, dof, pool_o, pool_e = 0.0, -1, 0, 0.0
-    for key, p in expected.items():
-        e = p * n
-        if e < 5:
-            pool_o, pool_e = pool_o + observed.get(key, 0), pool_e + e
-            continue
-        stat += (observed.get(key, 0) - e) ** 2 / e
-        dof += 1
-    if pool_e > 0:
-        stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
-        dof += 1
-    assert sum(observed.values()) == n
-    assert set(observed) <= set(expected), "sampled an outcome of probability 0"
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
 def test_processed_probs_top_k_top_p():

@@ -108,13 +108,10 @@ def test_repl_resume_continues_the_latest(tmp_path):
 
 
 def test_plan_prints_the_profiles_report(monkeypatch):
-    fake = types.ModuleType("minions_local.profile.cli")
-    fake.plan_report = lambda name: f"plan for {name}\n"
-    fake.available_profiles = lambda: ["cpu-demo", "rtx4090-70b"]
-    monkeypatch.setitem(sys.modules, "minions_local.profile.cli", fake)
-    import minions_local
+    from minions_local.profile import cli
 
-    monkeypatch.setattr(minions_local, "profiles", fake, raising=False)
+    monkeypatch.setattr(cli, "plan_report", lambda name: f"plan for {name}\n")
+    monkeypatch.setattr(cli, "available_profiles", lambda: ["cpu-demo", "rtx4090-70b"])
     code, out, _, factory = run(["--plan", "-p", "rtx4090-70b"])
     assert code == 0 and out == "plan for rtx4090-70b\n" and factory.calls == []
     code, out, _, _ = run(["--list-profiles"])
@@ -122,16 +119,12 @@ def test_plan_prints_the_profiles_report(monkeypatch):
 
 
 def test_plan_reports_profile_errors(monkeypatch):
-    fake = types.ModuleType("minions_local.profile.cli")
+    from minions_local.profile import cli
 
     def plan_report(name):
         raise ProfileError(f"No profile named '{name}'.")
 
-    fake.plan_report = plan_report
-    monkeypatch.setitem(sys.modules, "minions_local.profile.cli", fake)
-    import minions_local
-
-    monkeypatch.setattr(minions_local, "profiles", fake, raising=False)
+    monkeypatch.setattr(cli, "plan_report", plan_report)
     code, _, err, _ = run(["--plan", "-p", "zzz"])
     assert code == 1 and "No profile named 'zzz'." in err
 

@@ -1,0 +1,23 @@
+"""Statistics for the sampling tests: a draw must follow the target's distribution."""
+
+from collections import Counter
+
+import torch
+
+
+def chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:
+    """Pearson chi-square p-value, pooling categories with expected count < 5."""
+    stat, dof, pool_o, pool_e = 0.0, -1, 0, 0.0
+    for key, p in expected.items():
+        e = p * n
+        if e < 5:
+            pool_o, pool_e = pool_o + observed.get(key, 0), pool_e + e
+            continue
+        stat += (observed.get(key, 0) - e) ** 2 / e
+        dof += 1
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
+        dof += 1
+    assert sum(observed.values()) == n
+    assert set(observed) <= set(expected), "sampled an outcome of probability 0"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))

@@ -1,32 +1,36 @@
-"""Where the loaded weights actually are, for engines built without a memory plan."""
+"""Where the loaded weights actually are, for engines built without a memory plan.
+
+The resident part is what the target's forward reads (`weight_bytes`: a compact
+target counts its own fused copies, never the modules' released ones); a streamed
+target adds what its layer store holds per tier. Minions with torch weights sit on
+the compute device; GGUF minions (llama.cpp's own memory) and the n-gram minion hold
+none that torch can count.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minions_local.engine import Engine
+    from minions_local.engine.engine import Engine
 
 
 def measured_bytes_by_tier(engine: Engine) -> dict[str, int]:
-    tiers: dict[str, int] = {}
     target = engine.decoder.target
+    tiers = {"device": target.weight_bytes()}
     stats = getattr(target, "stream_stats", None)
-    if stats is not None and hasattr(stats, "bytes_by_tier"):
-        for tier, n in stats.bytes_by_tier().items():
-            tiers[tier] = tiers.get(tier, 0) + n
-    else:
-        tiers["device"] = target.weight_bytes()  # a compact target counts its own copies
+    for tier, n in (stats.bytes_by_tier if stats is not None else {}).items():
+        tiers[tier] = tiers.get(tier, 0) + n
     for m in engine.minions:
-        if hasattr(m, "weight_bytes"):  # model minions; GGUF and n-gram ones hold no torch weights
-            tiers["device"] = tiers.get("device", 0) + m.weight_bytes()
+        if hasattr(m, "weight_bytes"):
+            tiers["device"] += m.weight_bytes()
     return tiers
 
 
 def describe_placement(engine: Engine) -> str:
-    rows = [("target", "resident" if getattr(engine.decoder.target, "stream_stats", None) is None else "streamed")]
+    streamed = getattr(engine.decoder.target, "stream_stats", None) is not None
+    rows = [("target", "streamed" if streamed else "resident")]
     rows += [(m.name, type(m).__name__) for m in engine.minions]
-    tiers = measured_bytes_by_tier(engine)
     lines = [f"{name:<24} {kind}" for name, kind in rows]
-    lines += [f"{tier:<24} {n / 2**20:,.1f} MiB" for tier, n in tiers.items()]
+    lines += [f"{tier:<24} {n / 2**20:,.1f} MiB" for tier, n in measured_bytes_by_tier(engine).items()]
     return "\n".join(lines)

@@ -52,6 +52,10 @@ class StreamStats:
     """How the disk tier reads: 'o_direct', 'fadvise' (page cache dropped after reads), or ''."""
     warnings: list[str] = field(default_factory=list)
     """Fallbacks taken at load time (also sent to logging.warning)."""
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    """Load-time fact: bytes the streamed layers keep in each tier ('ram': packed in host
+    memory, 'disk': pack files), and 'device': the compute-side layer buffers they
+    stream into. Resident weights are the target's own count (its weight_bytes)."""
 
     def reset(self) -> None:
         """Zero the counters (not the load-time facts or warnings)."""

@@ -123,6 +123,8 @@ def load_streamed_causal_lm(
                 report.layer(i, tiers[i], layouts[i].nbytes)
         ckpt.drop_page_cache()
         stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
+        for i in streamed:
+            stats.bytes_by_tier[tiers[i]] = stats.bytes_by_tier.get(tiers[i], 0) + layouts[i].nbytes
         stats.read_mode = _read_mode(sources, stats)
     except BaseException:
         for s in sources:
@@ -145,6 +147,7 @@ def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[R
     """Make `layers` (in execution order) take their weights from `sources` on each call."""
     store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
                        readers=readers if readers is not None else max(2, buffers))
+    stats.bytes_by_tier["device"] = sum(b.numel() * b.element_size() for b in store.buffers)
     for j, layer in enumerate(layers):
         _StreamedLayer(layer, j, store, scratch, dtype, device)
     model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())

@@ -1,0 +1,42 @@
+"""memory_by_tier() says where an engine's weights are, byte for byte, in each tier."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from minions_local import Engine
+
+
+def _bytes(model, part: str = "") -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if part in n)
+
+
+@pytest.fixture(scope="module")
+def reference(families):
+    return AutoModelForCausalLM.from_pretrained(families["llama"]["target"])
+
+
+@pytest.mark.parametrize("tier", ["device", "ram"])
+def test_a_resident_target_is_all_on_the_device(families, reference, tier):
+    # On a CPU the compute device is host RAM, so the 'ram' tier loads resident too.
+    engine = Engine.from_pretrained(families["llama"]["target"], [], dtype="float32", target_tier=tier)
+    assert engine.memory_by_tier() == {"device": _bytes(reference)}
+
+
+def test_a_disk_target_keeps_its_layers_on_disk_and_its_buffers_on_the_device(families, reference, tmp_path):
+    engine = Engine.from_pretrained(families["llama"]["target"], [], dtype="float32", target_tier="disk",
+                                    stream_options={"cache_dir": tmp_path, "buffers": 2})
+    tiers = engine.memory_by_tier()
+    layers, one_layer = _bytes(reference, ".layers."), _bytes(reference, ".layers.0.")
+    assert set(tiers) == {"device", "disk"}
+    assert tiers["disk"] == layers
+    buffers = tiers["device"] - (_bytes(reference) - layers)  # embedding, final norm and head stay resident
+    assert 2 * one_layer <= buffers < 2 * (one_layer + 4096)  # two layer buffers, block-aligned
+
+
+def test_model_minions_count_on_the_device(families, reference):
+    fam = families["llama"]
+    minion = AutoModelForCausalLM.from_pretrained(fam["close"])
+    engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype="float32")
+    assert engine.memory_by_tier() == {"device": _bytes(reference) + _bytes(minion)}

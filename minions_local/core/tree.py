@@ -80,14 +80,6 @@ class TokenTree:
         """What the verifier walks at `node`, in order."""
         return self.entries[node] or [(token, -1) for token in self.children[node]]
 
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root down to `node`, inclusive."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     def select(self, max_nodes: int, max_depth: int) -> TokenTree:
         """The best connected subtree with at most `max_nodes` draft nodes.
 
@@ -151,9 +143,3 @@ def tree_attention_mask(
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.to(device).view(1, 1, t, prefix_len + k)
 
-
-def causal_attention_mask(
-    n_new: int, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """A chain is the degenerate tree: plain causal attention over new tokens."""
-    return tree_attention_mask(np.tril(np.ones((n_new, n_new), dtype=bool)), prefix_len, dtype, device)

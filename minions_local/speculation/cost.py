@@ -15,8 +15,7 @@ weight traffic; that is why large trees pay off. Each minion's forward pass cost
 growing a tree of depth D takes D passes.
 
 Expected accepted tokens come from `expected_accepted` below: an ESTIMATE from a
-simple tree model, not a measurement. The engine can pass its own calibrated node
-scores instead (`best_verify_size`). Online refinement: `refined(...)` refits the
+simple tree model, not a measurement. Online refinement: `refined(...)` refits the
 coefficients to measured (N, seconds) samples (cost_fit.py).
 
     model = cost_model_from_profile(load_profile("rtx4090-70b"))   # prior (profile/cost_prior.py)
@@ -127,15 +126,6 @@ class CostModel:
             return 0.0
         return self.step_overhead + sum(g(nodes, depth, width) for g in self.grow)
 
-    def predict_tokens_per_second(
-        self, acceptance: Acceptance, nodes: int, *, max_depth: int = 16, top_k: int = 8
-    ) -> float:
-        """Tokens/s at a fixed budget of `nodes`, for an acceptance rate (or one per depth)."""
-        gains, depths = expected_accepted(_key(acceptance), nodes, max_depth, top_k)
-        n = min(nodes, len(gains) - 1)
-        t = self.t_grow(n, depths[n]) + self.t_verify(n)
-        return (gains[n] + 1) / t
-
     def best_budget(
         self,
         acceptance: Acceptance,
@@ -170,23 +160,6 @@ class CostModel:
                     best_rate, best_n, best_cap = rate, n, cap
         gains, depths = expected_accepted(key, max_nodes, best_cap, top_k, sibling_decay)
         return self._choice(best_n, depths[best_n], gains[best_n])
-
-    def best_verify_size(
-        self, path_scores: Sequence[float], depths: Sequence[int], t_grow_spent: float = 0.0
-    ) -> int:
-        """How many nodes of an already grown tree to verify.
-
-        path_scores: the calibrated probability that each node's path is accepted,
-        best first (a parent always before its child); depths: each node's depth.
-        Growing is already paid for, so only t_verify varies with the choice.
-        """
-        best_n, best_rate, gain = 0, 1.0 / (t_grow_spent + self.t_verify(0)), 0.0
-        for i, score in enumerate(path_scores):
-            gain += score
-            rate = (gain + 1) / (t_grow_spent + self.t_verify(i + 1))
-            if rate > best_rate:
-                best_n, best_rate = i + 1, rate
-        return best_n
 
     def _choice(self, nodes: int, depth: int, gain: float) -> BudgetChoice:
         width = math.ceil(nodes / depth) if depth else 0

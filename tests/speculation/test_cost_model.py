@@ -60,9 +60,9 @@ def test_per_depth_acceptance_and_higher_rates_help():
     flat, _ = expected_accepted((0.9,), 64)
     assert falling[64] < flat[64]
     model = streamed_model()
-    rates = [model.predict_tokens_per_second(a, 128) for a in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    rates = [model.best_budget(a, min_nodes=128, max_nodes=128).tokens_per_second for a in (0.5, 0.6, 0.7, 0.8, 0.9)]
     assert rates == sorted(rates)
-    assert model.predict_tokens_per_second([0.9, 0.8, 0.7], 128) > 0
+    assert model.best_budget([0.9, 0.8, 0.7], min_nodes=128, max_nodes=128).tokens_per_second > 0
 
 
 def test_best_budget_is_the_argmax_and_grows_with_acceptance():
@@ -72,7 +72,8 @@ def test_best_budget_is_the_argmax_and_grows_with_acceptance():
     assert [c.tokens_per_second for c in choices] == sorted(c.tokens_per_second for c in choices)
     best = choices[1]
     for n in (1, 8, 32, 64, 128, 256):  # no fixed budget beats the choice
-        assert model.predict_tokens_per_second(0.7, n) <= best.tokens_per_second * (1 + 1e-9)
+        fixed = model.best_budget(0.7, min_nodes=n, max_nodes=n, max_depth=16)
+        assert fixed.nodes == n and fixed.tokens_per_second <= best.tokens_per_second * (1 + 1e-9)
     assert best.width == math.ceil(best.nodes / best.depth)
     assert best.tokens_per_second == pytest.approx(best.tokens_per_step / (best.t_grow + best.t_verify))
 
@@ -93,14 +94,6 @@ def test_best_budget_respects_limits():
     assert 4 <= c.nodes <= 40 and c.depth <= 5
     c = CostModel(VerifyTime(0.01, 0.0, 1.0)).best_budget(0.5, min_nodes=0)
     assert c.nodes == 0  # verifying anything costs more than it can win
-
-
-def test_best_verify_size_for_a_grown_tree():
-    model = CostModel(VerifyTime(flat=0.1, base=0.0, slope=0.01))
-    scores = [0.9, 0.8, 0.7] + [0.05] * 50
-    n = model.best_verify_size(scores, depths=list(range(1, 54)))
-    assert 3 <= n < 20  # the likely nodes are worth it, the long tail is not
-    assert model.best_verify_size([], []) == 0
 
 
 def test_refit_recovers_a_hinge_from_samples():

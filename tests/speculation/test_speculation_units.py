@@ -12,7 +12,7 @@ from minions_local.backends.hf import CachedModel
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import AdaptiveDepth, FixedBudget
-from minions_local.core.tree import TokenTree, causal_attention_mask
+from minions_local.core.tree import TokenTree
 from minions_local.speculation.selection import MinionSelector, contributions, marginal_tokens
 from minions_local.speculation.vote import merge_proposals
 from minions_local.core.events import StepRecord
@@ -72,8 +72,6 @@ def test_masks_and_positions():
     assert mask.shape == (1, 1, 4, 7)
     visible = (mask[0, 0] == 0).int().tolist()
     assert visible[3] == [1, 1, 1, 1, 1, 0, 1] and visible[2] == [1, 1, 1, 1, 0, 1, 0]
-    assert (causal_attention_mask(3, 2, torch.float32)[0, 0] == 0).int().tolist() == [
-        [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
 
 def test_greedy_accept_walks_argmax_and_caps():

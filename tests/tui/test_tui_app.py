@@ -157,10 +157,20 @@ async def test_ctrl_c_stops_then_second_press_quits(tmp_path, monkeypatch):
 
 
 async def test_escape_while_idle_does_nothing(tmp_path):
-    app = make_app(tmp_path)
+    engine = FakeEngine()
+    app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
+        await pilot.press(*"half a thought")
+        shown = len(app.query(Note)), app.sub_title
         await pilot.press("escape")
+        await pilot.pause()
+        # Nothing the user sees changes: the draft stays typed and focused, no message,
+        # note or notification appears, and no request reaches the engine.
+        assert app.prompt.text == "half a thought" and app.focused is app.prompt
+        assert (len(app.query(Note)), app.sub_title) == shown
+        assert not app.query(UserMessage) and not app.query(AssistantMessage)
+        assert notes(app) == [] and engine.calls == []
         assert app.is_running and not app.generating
 
 

@@ -72,6 +72,7 @@ async def test_chat_on_demo_profile(need_demo, tmp_path):
 
 
 def test_plain_pipe_on_demo_profile(need_demo):
+    """A pipe prints exactly the target's own greedy completion, then a newline."""
     done = subprocess.run(
         [sys.executable, "-m", "minions_local.tui.cli", "--plain", "--max", "16", "-p", PROFILE],
         input="def f(\n",
@@ -80,5 +81,23 @@ def test_plain_pipe_on_demo_profile(need_demo):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()
     assert "Traceback" not in done.stderr
+    expected = target_greedy_text("def f(", 16)  # the pipe's trailing newline is not the prompt's
+    assert expected.strip()
+    assert done.stdout == expected + ("" if expected.endswith("\n") else "\n")
+
+
+def target_greedy_text(prompt: str, max_new: int) -> str:
+    """The demo target alone, through transformers: greedy, in the profile's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minions_local.engine.from_profile import engine_kwargs_from_profile
+
+    kwargs = engine_kwargs_from_profile(PROFILE)
+    tokenizer = AutoTokenizer.from_pretrained(kwargs["target"])
+    model = AutoModelForCausalLM.from_pretrained(kwargs["target"], dtype=getattr(torch, kwargs["dtype"])).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)

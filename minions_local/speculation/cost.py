@@ -14,7 +14,7 @@ weight traffic; that is why large trees pay off. Each minion's forward pass cost
 `base + per_token * width` (its own weight-read floor and launch overhead, then flops);
 growing a tree of depth D takes D passes.
 
-Expected accepted tokens come from `expected_accepted` below: an ESTIMATE from a
+Expected accepted tokens come from `accepted_by_tree_size` below: an ESTIMATE from a
 simple tree model, not a measurement. Online refinement: `refined(...)` refits the
 coefficients to measured (N, seconds) samples (cost_fit.py).
 
@@ -139,7 +139,7 @@ class CostModel:
         """The (nodes, depth) maximising E[accepted + 1] / (t_grow + t_verify).
 
         sibling_decay: how much less likely each next-ranked child is (see
-        expected_accepted); calibrated online, it decides deep-narrow vs shallow-wide.
+        accepted_by_tree_size); calibrated online, it decides deep-narrow vs shallow-wide.
 
         Depth caps are searched too: a shallower tree needs fewer minion passes, which
         matters when growing is not cheap next to verifying.
@@ -151,14 +151,14 @@ class CostModel:
         per_token = sum(g.per_token for g in self.grow)
         best_rate, best_n, best_cap = -1.0, 0, 1
         for cap in _depth_caps(max_depth):
-            gains, depths = expected_accepted(key, max_nodes, cap, top_k, sibling_decay)
+            gains, depths = accepted_by_tree_size(key, max_nodes, cap, top_k, sibling_decay)
             for n in range(min(min_nodes, len(gains) - 1), len(gains)):
                 d = depths[n]
                 grow = self.step_overhead + d * (base + per_token * -(-n // d)) if n else 0.0
                 rate = (gains[n] + 1) / (grow + t_verify[n])
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best_n, best_cap = rate, n, cap
-        gains, depths = expected_accepted(key, max_nodes, best_cap, top_k, sibling_decay)
+        gains, depths = accepted_by_tree_size(key, max_nodes, best_cap, top_k, sibling_decay)
         return self._choice(best_n, depths[best_n], gains[best_n])
 
     def _choice(self, nodes: int, depth: int, gain: float) -> BudgetChoice:
@@ -210,7 +210,7 @@ def _depth_caps(max_depth: int) -> list[int]:
 
 
 @lru_cache(maxsize=256)
-def expected_accepted(
+def accepted_by_tree_size(
     acceptance: tuple[float, ...], max_nodes: int, max_depth: int = 16, top_k: int = 8,
     sibling_decay: float = SIBLING_DECAY,
 ) -> tuple[tuple[float, ...], tuple[int, ...]]:

@@ -33,7 +33,7 @@ from statistics import median
 
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
-from minions_local.speculation.cost import SIBLING_DECAY, CostModel, expected_accepted
+from minions_local.speculation.cost import SIBLING_DECAY, CostModel, accepted_by_tree_size
 
 
 @dataclass
@@ -165,7 +165,7 @@ def calibrate_acceptance(trees: list[tuple[int, int, int]], top_k: int = 8,
     def predicted(a: float) -> float:
         total = 0.0
         for depth, sizes in by_depth.items():
-            gains, _ = expected_accepted((round(a, 2),), max(sizes), depth, top_k, sibling_decay)
+            gains, _ = accepted_by_tree_size((round(a, 2),), max(sizes), depth, top_k, sibling_decay)
             total += sum(gains[min(n, len(gains) - 1)] for n in sizes)
         return total
 
@@ -203,7 +203,7 @@ MIN_TRIALS_PER_DEPTH = 12
 def fit_rank_acceptance(trials: list[tuple[int, int, int]], top_k: int = 8) -> tuple[tuple[float, ...], float]:
     """((a_1, a_2, ...), decay) maximising the likelihood of which child the target took.
 
-    Model (cost.expected_accepted): at depth d, given that ranks 1..r-1 were not the
+    Model (cost.accepted_by_tree_size): at depth d, given that ranks 1..r-1 were not the
     target's token, rank r is with probability a_d * decay**(r-1). A trial (depth,
     k offered, rank r) tested ranks 1..r (r = 0: all k, none taken). Counting per
     rank how often it was tested and taken makes each likelihood a product over at

@@ -25,7 +25,7 @@ from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
 from minions_local.core.tree import TokenTree
-from minions_local.speculation.selection import MinionSelector, expected_accepted
+from minions_local.speculation.selection import MinionSelector, minion_estimate
 from minions_local.speculation.vote import merge_proposals, source_shares
 
 
@@ -167,7 +167,7 @@ class Decoder:
             proposals[m] = self.minions[m].grow(context, budgets[m])
             seconds[m] = time.perf_counter() - start
             run_order.append(m)
-            expected = max(expected, expected_accepted(proposals[m]))
+            expected = max(expected, minion_estimate(proposals[m]))
         allowed = [b.max_nodes for b in budgets]
         if draws is None:
             merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minions_local.core.protocols import CandidateTree
 from minions_local.core.tree import TokenTree
 
 
@@ -133,9 +134,11 @@ class MinionSelector:
         return counts
 
 
-def expected_accepted(proposal) -> float:
-    """A proposal's own estimate of the draft tokens the target will accept: each node
-    is accepted exactly when its whole path is, so the sum of path probabilities."""
+def minion_estimate(proposal: CandidateTree) -> float:
+    """The proposing minion's own estimate of the draft tokens the target will accept
+    from this tree: each node is accepted exactly when its whole path is, so the sum of
+    its path probabilities. (The cost model's `accepted_by_tree_size` is another thing:
+    a prediction from calibrated rates, made before anything is grown.)"""
     return sum(math.exp(lp) for lp in proposal.logprobs)
 
 

@@ -72,16 +72,16 @@ def test_selection_modes():
 
 
 def test_costly_minion_defers_to_a_confident_cheap_one():
-    from minions_local.speculation.selection import expected_accepted
+    from minions_local.speculation.selection import minion_estimate
 
     selector = MinionSelector(["llm", "ngram"])
     selector.stats[0].cost, selector.stats[1].cost = 0.02, 0.0002
     selector.stats[0].record = 2.0
     assert selector.order() == [1, 0]
     confident = chain([5, 6, 7, 8, 9, 10], p=0.95)
-    assert expected_accepted(confident) > 2.0
-    assert not selector.still_needed(0, expected_accepted(confident))
-    assert selector.still_needed(0, expected_accepted(chain([5], p=0.3)))
+    assert minion_estimate(confident) > 2.0
+    assert not selector.still_needed(0, minion_estimate(confident))
+    assert selector.still_needed(0, minion_estimate(chain([5], p=0.3)))
     tree = merge_proposals(1, [None, confident], [1.0, 1.0])
     selector.observe(tree, [0], [False, True], [0.0, 0.0002], 0.03, 1)
     assert selector.stats[0].skipped == 0  # a deferral is not a cost-based skip

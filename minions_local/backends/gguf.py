@@ -21,8 +21,6 @@ for all sequences), or llama.cpp would give each sequence its own slice and copy
 from __future__ import annotations
 
 import ctypes
-import heapq
-import itertools
 import os
 import sys
 from collections.abc import Sequence
@@ -33,6 +31,7 @@ import numpy as np
 
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
+from minions_local.backends.frontier import Frontier
 
 _INSTALL_HINT = (
     "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
@@ -145,43 +144,33 @@ class GGUFMinion:
         # Each node that runs takes one KV cell and one sequence id.
         runs_left = min(self.n_ctx - len(context), self.tree_runs)
         root_pos = len(context) - 1
-        order = itertools.count()  # ties: earlier candidates first
-        frontier: list[tuple[float, int, int, int, float, int]] = []
-        depth_of: list[int] = []
+        frontier = Frontier(tree, budget)  # deterministic proposals: it cannot sample
 
-        def offer(logits: np.ndarray, parents: list[int], depth: list[int]) -> None:
+        def offer(logits: np.ndarray, parents: list[int]) -> None:
             tokens, logprobs = _top_children(logits, budget.top_k)
             for row, parent in enumerate(parents):
-                if depth[row] > budget.max_depth:
-                    continue
-                parent_lp = tree.logprobs[parent] if parent >= 0 else 0.0
-                for token, lp in zip(tokens[row].tolist(), logprobs[row].tolist()):
-                    score = parent_lp + lp
-                    heapq.heappush(frontier, (-score, next(order), parent, token, score, depth[row]))
+                frontier.offer(parent, zip(tokens[row].tolist(), logprobs[row].tolist()))
 
-        offer(root_logits[None, :], [-1], [1])
+        offer(root_logits[None, :], [-1])
         self._tree = tree
         next_seq = 1
-        while frontier and len(tree) < budget.max_nodes:
-            batch: list[int] = []
-            while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
-                _, _, parent, token, lp, depth = heapq.heappop(frontier)
-                batch.append(tree.add(token, parent, lp))
-                depth_of.append(depth)
+        while frontier.can_take():
+            batch = frontier.take()
             # Run only nodes that may still get children: the tree is not full, the node
             # is above the depth limit, and a sequence id is free for it.
-            expand = [n for n in batch if depth_of[n] < budget.max_depth]
+            expand = [n for n in batch if frontier.may_expand(n)]
             expand = expand[:min(runs_left - (next_seq - 1), self.n_batch)]
-            if len(tree) >= budget.max_nodes or not expand:
+            if frontier.tree_full or not expand:
                 continue
             for node in expand:
                 parent = tree.parents[node]
                 self._node_seq[node] = next_seq
                 self._lib.llama_memory_seq_cp(self._mem, self._node_seq.get(parent, 0), next_seq, -1, -1)
                 next_seq += 1
-            logits = self._decode([tree.tokens[n] for n in expand], [root_pos + depth_of[n] for n in expand],
+            logits = self._decode([tree.tokens[n] for n in expand],
+                                  [root_pos + frontier.depths[n] for n in expand],
                                   [self._node_seq[n] for n in expand], all_logits=True)
-            offer(logits, expand, [depth_of[n] + 1 for n in expand])
+            offer(logits, expand)
         return tree
 
     def commit(self, accepted: list[int]) -> None:

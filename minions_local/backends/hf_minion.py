@@ -8,21 +8,19 @@ from their parents' distributions, and nobody will expand them this step.
 When the target samples (budget.sampling is set), each expanded node's children are
 instead *drawn* without replacement from the minion's distribution under the same
 temperature/top-k/top-p, and the tree grows best-first on a static score of the draw
-ranks (base.rank_log_score): its shape never depends on what was drawn, which is
+ranks (core.protocols.rank_log_score): its shape never depends on what was drawn, which is
 what lets the verifier accept a draw with probability min(1, p/q) (accept.py).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-
 import numpy as np
 import torch
 
 from minions_local.core.sampling import processed_probs
-from minions_local.core.protocols import CandidateTree, GrowBudget, rank_log_score
+from minions_local.core.protocols import CandidateTree, GrowBudget
 from minions_local.backends.compact import CompactModel, supports
+from minions_local.backends.frontier import Frontier
 from minions_local.backends.hf import CachedModel
 
 
@@ -64,44 +62,30 @@ class HFMinion:
             pending = context[-1:]
         root_logits = runner.extend(pending)[-1]
         base_pos = len(context) - 1  # the root's position
-        order = itertools.count()  # tie-breaker: earlier candidates first
-        # (-priority, tie, parent, token, path logprob, depth). Greedy: the priority is
-        # the path logprob; sampled: the static score of the draw ranks.
-        frontier: list[tuple[float, int, int, int, float, int]] = []
-        priority_of: dict[int, float] = {-1: 0.0}
+        frontier = Frontier(tree, budget, ranked=budget.sampling is not None)
 
-        def offer(logits: torch.Tensor, parent: int, parent_lp: float, depth: int) -> None:
-            if depth > budget.max_depth:
-                return
+        def children(logits: torch.Tensor, parent: int) -> list[tuple[int, float]]:
             if budget.sampling is None:
-                for t, v in _top_children(logits, budget.top_k):
-                    heapq.heappush(frontier, (-(parent_lp + v), next(order), parent, t, parent_lp + v, depth))
-                return
-            for rank, (t, v) in enumerate(_drawn_children(logits, budget, tree, parent), start=1):
-                prio = priority_of[parent] + rank_log_score(rank)
-                heapq.heappush(frontier, (-prio, next(order), parent, t, parent_lp + v, depth))
+                return _top_children(logits, budget.top_k)
+            return _drawn_children(logits, budget, tree, parent)
 
-        offer(root_logits, -1, 0.0, 1)
+        frontier.offer(-1, children(root_logits, -1))
         anc = np.zeros((budget.max_nodes, budget.max_nodes), dtype=bool)
-        depths: list[int] = []
-        while frontier and len(tree) < budget.max_nodes:
-            batch = []
-            while frontier and len(batch) < min(budget.width, budget.max_nodes - len(tree)):
-                neg_priority, _, parent, token, lp, depth = heapq.heappop(frontier)
-                node = tree.add(token, parent, lp)
-                priority_of[node] = -neg_priority
+        while frontier.can_take():
+            batch = frontier.take()
+            for node in batch:
+                parent = tree.parents[node]
                 if parent >= 0:
                     anc[node] = anc[parent]
                 anc[node, node] = True
-                depths.append(depth)
-                batch.append(node)
-            if len(tree) >= budget.max_nodes or all(depths[n] >= budget.max_depth for n in batch):
+            if frontier.tree_full or not any(frontier.may_expand(n) for n in batch):
                 break
             first = batch[0]  # batches are contiguous node ranges
             logits = runner.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
-                                  [depths[n] for n in batch], base_pos)
+                                    [frontier.depths[n] for n in batch], base_pos)
             for row, node in enumerate(batch):
-                offer(logits[row], node, tree.logprobs[node], depths[node] + 1)
+                if frontier.may_expand(node):
+                    frontier.offer(node, children(logits[row], node))
         # One distribution per parent that kept a child (each is vocab floats).
         kept_parents = set(tree.parents)
         tree.draws = {p: q for p, q in tree.draws.items() if p in kept_parents}

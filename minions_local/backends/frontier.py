@@ -1,0 +1,70 @@
+"""The best-first frontier every tree-growing minion shares.
+
+A minion grows its candidate tree by repeatedly taking the best waiting candidates
+(at most `budget.width` at a time, one forward pass's worth), running the ones that
+may still get children, and offering those children back. What differs between
+backends is only what a pass is (a tree-masked batch in transformers, one llama.cpp
+sequence per node); the order in which candidates join the tree lives here.
+
+A candidate's priority is its path log-probability, or, for sampled children
+(`ranked`), the parent's priority plus the static score of each draw's rank
+(core.protocols.rank_log_score): a sampled tree's shape must not depend on what was
+drawn. Ties go to the candidate offered first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+
+from minions_local.core.protocols import CandidateTree, GrowBudget, rank_log_score
+
+
+class Frontier:
+    """The candidates waiting to join `tree`, best first."""
+
+    def __init__(self, tree: CandidateTree, budget: GrowBudget, *, ranked: bool = False) -> None:
+        """ranked: children are offered in draw order and scored by their rank alone."""
+        self.tree = tree
+        self.budget = budget
+        self.ranked = ranked
+        self.depths: list[int] = []
+        """Per tree node: its level below the root (1 = a child of the root)."""
+        self._priorities: list[float] = []
+        # (-priority, tie, parent, token, path logprob, depth)
+        self._heap: list[tuple[float, int, int, int, float, int]] = []
+        self._order = itertools.count()
+
+    @property
+    def tree_full(self) -> bool:
+        return len(self.tree) >= self.budget.max_nodes
+
+    def can_take(self) -> bool:
+        """Whether a candidate waits and the tree has room for it."""
+        return bool(self._heap) and not self.tree_full
+
+    def may_expand(self, node: int) -> bool:
+        """Whether `node`'s children would still be within the depth limit."""
+        return self.depths[node] < self.budget.max_depth
+
+    def offer(self, parent: int, children: Iterable[tuple[int, float]]) -> None:
+        """Candidate children of `parent` (-1: the root) as (token, log-probability),
+        best first (or in draw order when ranked). Offer only where may_expand holds."""
+        depth = 1 if parent < 0 else self.depths[parent] + 1
+        parent_lp = 0.0 if parent < 0 else self.tree.logprobs[parent]
+        parent_priority = 0.0 if parent < 0 else self._priorities[parent]
+        for rank, (token, lp) in enumerate(children, start=1):
+            priority = parent_priority + (rank_log_score(rank) if self.ranked else lp)
+            heapq.heappush(self._heap, (-priority, next(self._order), parent, token, parent_lp + lp, depth))
+
+    def take(self) -> list[int]:
+        """Move the best candidates (one pass's worth, as many as fit) into the tree;
+        returns their node ids, a contiguous range."""
+        batch: list[int] = []
+        while self._heap and len(batch) < min(self.budget.width, self.budget.max_nodes - len(self.tree)):
+            neg_priority, _, parent, token, lp, depth = heapq.heappop(self._heap)
+            batch.append(self.tree.add(token, parent, lp))
+            self._priorities.append(-neg_priority)
+            self.depths.append(depth)
+        return batch

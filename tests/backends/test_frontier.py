@@ -1,0 +1,41 @@
+"""The best-first frontier shared by the HF and GGUF minions, without a model."""
+
+from __future__ import annotations
+
+import math
+
+from minions_local.backends.frontier import Frontier
+from minions_local.core.protocols import CandidateTree, GrowBudget
+
+
+def test_takes_best_path_probability_first_and_ties_in_offer_order():
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=10, max_depth=3, width=2))
+    frontier.offer(-1, [(5, math.log(0.6)), (6, math.log(0.2)), (7, math.log(0.2))])
+    assert frontier.take() == [0, 1]
+    assert tree.tokens == [5, 6]  # 6 and 7 tie: the one offered first goes first
+    frontier.offer(0, [(8, math.log(0.5))])  # path 0.6 * 0.5 = 0.3 beats 0.2
+    assert frontier.take() == [2, 3]
+    assert tree.tokens[2:] == [8, 7] and tree.parents[2:] == [0, -1]
+    assert tree.logprobs[2] == math.log(0.6) + math.log(0.5)
+    assert frontier.depths == [1, 1, 2, 1]
+
+
+def test_ranked_children_are_ordered_by_rank_not_probability():
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=10, max_depth=3, width=1), ranked=True)
+    frontier.offer(-1, [(1, math.log(0.1)), (2, math.log(0.9))])  # draw order: 1 first
+    assert frontier.take() == [0] and tree.tokens == [1]
+    # The first draw below node 0 scores 0.8 * 0.8 = 0.64 > the second draw at the root, 0.4.
+    frontier.offer(0, [(3, math.log(0.01))])
+    assert frontier.take() == [1] and tree.tokens[1] == 3
+    assert tree.logprobs[1] == math.log(0.1) + math.log(0.01)  # the vote stays the path probability
+
+
+def test_room_and_depth_limits():
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=3, max_depth=1, width=8))
+    frontier.offer(-1, [(t, -float(t)) for t in range(5)])
+    assert frontier.take() == [0, 1, 2]  # the width would allow 8, the tree holds 3
+    assert frontier.tree_full and not frontier.can_take()
+    assert not frontier.may_expand(0)  # depth 1 is the limit

@@ -34,8 +34,10 @@ def test_ranked_children_are_ordered_by_rank_not_probability():
 
 def test_room_and_depth_limits():
     tree = CandidateTree()
-    frontier = Frontier(tree, GrowBudget(max_nodes=3, max_depth=1, width=8))
+    frontier = Frontier(tree, GrowBudget(max_nodes=3, max_depth=1, width=2))
     frontier.offer(-1, [(t, -float(t)) for t in range(5)])
-    assert frontier.take() == [0, 1, 2]  # the width would allow 8, the tree holds 3
+    assert frontier.take() == [0, 1]
+    assert frontier.can_take()
+    assert frontier.take() == [2]  # the width would allow 2, the tree has room for 1
     assert frontier.tree_full and not frontier.can_take()
     assert not frontier.may_expand(0)  # depth 1 is the limit

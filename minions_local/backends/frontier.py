@@ -62,6 +62,9 @@ class Frontier:
         """Move the best candidates (one pass's worth, as many as fit) into the tree;
         returns their node ids, a contiguous range."""
         batch: list[int] = []
+        # The room is re-read as the batch fills, so a batch takes at most half the room
+        # left: 32 nodes at width 4 take batches of 4 x7, 2, 1, 1 (ten, not eight). Kept
+        # as the minions always grew; speculation/budget.grow_shape assumes eight.
         while self._heap and len(batch) < min(self.budget.width, self.budget.max_nodes - len(self.tree)):
             neg_priority, _, parent, token, lp, depth = heapq.heappop(self._heap)
             batch.append(self.tree.add(token, parent, lp))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
+from minions_local.speculation.budget import grow_shape, width_for
 from minions_local.speculation.cost_fit import PRIOR_WEIGHT, fit_hinge, fit_line
 
 Acceptance = float | Sequence[float]
@@ -72,12 +73,13 @@ class GrowTime:
         return self.base + self.per_token * width
 
     def __call__(self, nodes: int, depth: int, width: int | None = None) -> float:
-        """Growing `nodes` nodes over `depth` levels: one pass per level."""
+        """Growing `nodes` nodes at most `depth` levels deep: one pass per level
+        (budget.grow_shape); a `width` narrower than that shape's takes more passes."""
         if nodes <= 0 or depth <= 0:
             return 0.0
-        width = width or math.ceil(nodes / depth)
-        passes = max(depth, math.ceil(nodes / width))
-        return passes * self.pass_seconds(width)
+        passes, spread = grow_shape(nodes, depth)
+        width = width or spread
+        return max(passes, math.ceil(nodes / width)) * self.pass_seconds(width)
 
     def fit(self, samples: Sequence[tuple[int, float]], weight: float = PRIOR_WEIGHT) -> "GrowTime":
         """Refit to measured (width, seconds per pass) samples, with self as the prior."""
@@ -146,7 +148,8 @@ class CostModel:
         """
         key = _key(acceptance)
         t_verify = [self.t_verify(n) for n in range(max_nodes + 1)]
-        # t_grow inlined: with width = ceil(n / d), every minion makes d passes.
+        # t_grow inlined, for speed: every minion grows the same shape, and the best
+        # n-node tree is never deeper than n, so it takes one pass per level.
         base = sum(g.base for g in self.grow)
         per_token = sum(g.per_token for g in self.grow)
         best_rate, best_n, best_cap = -1.0, 0, 1
@@ -154,7 +157,7 @@ class CostModel:
             gains, depths = accepted_by_tree_size(key, max_nodes, cap, top_k, sibling_decay)
             for n in range(min(min_nodes, len(gains) - 1), len(gains)):
                 d = depths[n]
-                grow = self.step_overhead + d * (base + per_token * -(-n // d)) if n else 0.0
+                grow = self.step_overhead + d * (base + per_token * width_for(n, d)) if n else 0.0
                 rate = (gains[n] + 1) / (grow + t_verify[n])
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best_n, best_cap = rate, n, cap
@@ -162,7 +165,7 @@ class CostModel:
         return self._choice(best_n, depths[best_n], gains[best_n])
 
     def _choice(self, nodes: int, depth: int, gain: float) -> BudgetChoice:
-        width = math.ceil(nodes / depth) if depth else 0
+        width = grow_shape(nodes, depth)[1] if depth else 0
         return BudgetChoice(
             nodes=nodes,
             depth=depth,

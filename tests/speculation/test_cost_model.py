@@ -33,6 +33,7 @@ def test_grow_time_counts_one_pass_per_level():
     assert g(0, 4) == 0.0
     assert g(32, 4) == pytest.approx(4 * (0.01 + 0.001 * 8))
     assert g(32, 4, width=4) == pytest.approx(8 * (0.01 + 0.001 * 4))  # narrower: more passes
+    assert g(2, 4) == pytest.approx(2 * (0.01 + 0.001))  # never more levels than nodes
     assert g(64, 8) > g(32, 8) > g(32, 4)
 
 

@@ -33,7 +33,18 @@ class MemoryPlanError(MinionsError):
 
 
 class RequestError(MinionsError, ValueError):
-    """A generation request that cannot be served as given (bad token ids, bad arguments)."""
+    """A generation request that cannot be served as given (bad token ids, bad arguments).
+
+    `argument` names the offending argument ('temperature', 'prompt', ...) when there is
+    one, so that a server can point at the field of the request."""
+
+    def __init__(self, message: str, *, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+class EngineBusyError(MinionsError):
+    """The engine is in the middle of a generation and cannot start another or reset."""
 
 
 class GenerationCancelled(MinionsError):

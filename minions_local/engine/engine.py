@@ -9,9 +9,11 @@ only runs its new tokens.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,12 +21,14 @@ import torch
 
 from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
-from minions_local.core.errors import ContextOverflowError, GenerationCancelled, MinionsError, RequestError
+from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
+                                      RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, StepEvent, TokenEvent
 from minions_local.engine.loading import context_limit, load_minion, load_target, unique_names
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.decode import Decoder, snapshot
+from minions_local.engine import request
 from minions_local.engine.text import IncrementalText, find_stop, render_chat
 
 Messages = Sequence[dict[str, str]]
@@ -34,7 +38,10 @@ class Engine:
     """A target model, its minions and the decode loop between them.
 
     Build it with `Engine.from_pretrained(...)` or `Engine.from_profile(...)`.
-    Not thread-safe for concurrent generations: one generation at a time.
+    One generation at a time: a second one (or a `reset()`) while a generation holds
+    the engine raises `EngineBusyError`. A `stream()` holds it from its first event
+    until it ends, is closed, or is garbage-collected; `cancel()` from another thread
+    ends it after the current target pass.
     """
 
     def __init__(self, decoder: Decoder, tokenizer, *, profile_name: str = "", memory_plan: Any = None) -> None:
@@ -44,6 +51,7 @@ class Engine:
         self.memory_plan = memory_plan
         self.context_length = context_limit(decoder.target)
         self._busy = threading.Lock()
+        self._holder: _Holder | None = None
         self._cancel = threading.Event()
         self.eos_ids = _eos_ids(decoder.target.model, tokenizer)
 
@@ -140,8 +148,14 @@ class Engine:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def reset(self) -> None:
-        """Forget the cached conversation (the next prompt is prefilled from scratch)."""
-        self.decoder.reset()
+        """Forget the cached conversation (the next prompt is prefilled from scratch).
+
+        Raises EngineBusyError while a generation holds the engine: its caches are in use."""
+        self._acquire("reset the engine")
+        try:
+            self.decoder.reset()
+        finally:
+            self._busy.release()
 
     def cancel(self) -> None:
         """Ask a running generation (in another thread) to stop after the current pass."""
@@ -162,12 +176,13 @@ class Engine:
         tokenizer's chat template when it has one; earlier turns are not re-run."""
         if self.tokenizer is None:
             raise MinionsError("chat needs a tokenizer, and the target folder has none.")
-        text = render_chat(self.tokenizer, list(messages))
+        checked = request.chat_messages(messages)
+        text = _render(self.tokenizer, checked)
         templated = bool(getattr(self.tokenizer, "chat_template", None))
         ids = self.tokenizer.encode(text, add_special_tokens=not templated)
         return self.stream(ids, **kwargs)
 
-    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: str | Sequence[str] | None = None) -> Iterator[Event]:
         """Yield TokenEvent / StepEvent as target passes complete, then one DoneEvent.
@@ -180,43 +195,66 @@ class Engine:
         the drafts are then the minions' top tokens and every committed token is one
         seeded draw from the target, which costs acceptance (1.6-1.7 instead of 3.0-4.1
         tokens per pass on the demo family at temperature 0.7: scripts/bench_sampled_accept.py).
-        stop: strings that end the reply (not included). Errors about the request
-        (context overflow, bad arguments) are raised before any work is done.
+        stop: strings that end the reply (not included). max_new_tokens=None: as many
+        as the context window leaves. Every argument is checked before any work is done;
+        a bad one (or a context overflow) raises RequestError / ContextOverflowError
+        naming it, its value and what is allowed.
         """
-        ids = self._prompt_ids(prompt)
-        try:
-            params = SamplingParams(temperature, top_p, top_k)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > self.context_length:
+        params = request.sampling_params(temperature, top_p, top_k)
+        max_new = request.max_new_tokens_arg(max_new_tokens)
+        seed = request.seed_arg(seed)
+        stops = request.stop_strings(stop)
+        ids = request.prompt_ids(prompt, encode=self.encode, vocab_size=self.decoder.target.vocab_size,
+                                 start_token=self._start_token())
+        room = self.context_length - len(ids)
+        if max_new is None and room >= 1:
+            max_new = room
+        if max_new is None or max_new > room:
+            asked = "max_new_tokens" if max_new is None else f"max_new_tokens {max_new}"
             raise ContextOverflowError(
-                f"The prompt is {len(ids)} tokens and max_new_tokens is {max_new_tokens}: {len(ids) + max_new_tokens}"
-                f" exceeds the target's context window of {self.context_length} tokens. Shorten the prompt, lower "
-                f"max_new_tokens (/max in the chat), or start a new conversation (/new).")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return self._run(ids, params, max_new_tokens, seed, stops)
+                f"The prompt is {len(ids)} tokens, which leaves {max(room, 0)} of the target's context window of "
+                f"{self.context_length} tokens for {asked}. Shorten the prompt, lower max_new_tokens (/max in "
+                f"the chat), or start a new conversation (/new).")
+        holder = _Holder()
+        events = self._run(ids, params, max_new, seed, stops, holder)
+        holder.stream = weakref.ref(events)
+        return events
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            bos = getattr(self.tokenizer, "bos_token_id", None) or (self.eos_ids[0] if self.eos_ids else None)
-            if bos is None:
-                raise MinionsError("The prompt is empty and the model has no BOS token to start from.")
-            ids = [bos]
-        vocab = self.decoder.target.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"Prompt token ids {bad[:5]} are outside the target's vocabulary (0..{vocab - 1}); "
-                               f"encode prompts with this model's tokenizer.")
-        return ids
+    def _start_token(self) -> int | None:
+        """What an empty prompt starts from: the BOS token (id 0 is a token like any other)."""
+        for source in (self.tokenizer, getattr(self.decoder.target.model, "config", None)):
+            bos = getattr(source, "bos_token_id", None)
+            if isinstance(bos, int) and not isinstance(bos, bool):
+                return bos
+        return None
+
+    def _acquire(self, doing: str) -> None:
+        if self._busy.acquire(blocking=False):
+            return
+        # A stream() nobody reads any more holds the engine until it is closed; one caught
+        # in a reference cycle is closed only when the cycle collector runs: run it now.
+        gc.collect()
+        if self._busy.acquire(blocking=False):
+            return
+        raise EngineBusyError(self._busy_message(doing))
+
+    def _busy_message(self, doing: str) -> str:
+        holder = self._holder
+        events = holder.stream() if holder is not None and holder.stream is not None else None
+        where = f" (started in thread {holder.thread!r})" if holder is not None else ""
+        if events is not None and not events.gi_running:
+            return (f"Cannot {doing}: a stream() opened earlier{where} is paused, waiting for its caller to read "
+                    f"on, and holds the engine until it ends. Read it to the end or close it (stream.close(), "
+                    f"or open it with contextlib.closing); dropping every reference to it releases it too.")
+        return (f"Cannot {doing}: a generation is running on this engine{where}. Wait for it to end, or call "
+                f"engine.cancel() to stop it after its current target pass.")
 
     def _run(self, ids: list[int], params: SamplingParams, max_new: int, seed: int | None,
-             stops: list[str]) -> Iterator[Event]:
-        if not self._busy.acquire(blocking=False):
-            raise MinionsError("A generation is already running on this engine; wait for it or cancel it.")
+             stops: list[str], holder: _Holder) -> Iterator[Event]:
+        self._acquire("start a generation")
         try:
+            holder.thread = threading.current_thread().name
+            self._holder = holder
             self._cancel.clear()
             generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
             context = list(ids)
@@ -258,6 +296,7 @@ class Engine:
             yield DoneEvent(Generation(token_ids=out.ids, text=out.text, steps=steps, finish_reason=finish,
                                        prompt_tokens=len(ids), prefill_seconds=prefill))
         finally:
+            self._holder = None
             self._busy.release()
 
     def _guarded(self, work: Callable[[], Any]) -> Any:
@@ -271,6 +310,30 @@ class Engine:
 
     def _token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])
+
+
+class _Holder:
+    """Which stream holds the engine, for the message a second caller gets."""
+
+    __slots__ = ("stream", "thread")
+
+    def __init__(self) -> None:
+        self.stream: weakref.ref | None = None
+        self.thread = ""
+
+
+def _render(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The chat prompt; a template that refuses the conversation (roles out of order,
+    a role it does not know) is a request error, with the template's own words."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # transformers renders templates with jinja2; without it there are none
+        TemplateError = ()  # type: ignore[assignment,misc]
+    try:
+        return render_chat(tokenizer, messages)
+    except TemplateError as err:
+        raise RequestError(f"The model's chat template refused these messages: {err}",
+                           argument="messages") from None
 
 
 class _Output:

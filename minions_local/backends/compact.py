@@ -17,6 +17,7 @@ so decoding stays token-identical to the target run by transformers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,18 +68,9 @@ class CompactDecoder:
         bigger[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
         self.kv = bigger
 
-    def _fuse(self, layer) -> dict:
-        att, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-        bias = None
-        if att.q_proj.bias is not None:
-            bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-        return {
-            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-            "qkv": qkv, "qkv_bias": bias, "o": att.o_proj.weight,
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "down": mlp.down_proj.weight,
-            "inter": mlp.gate_proj.weight.shape[0],
-        }
+    def _fuse(self, layer) -> dict | None:
+        """A layer's weights as this forward holds them (None: they arrive with each pass)."""
+        return fused_layer(layer)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this forward reads (its own fused/packed copies)."""
@@ -188,6 +180,22 @@ class CompactDecoder:
         self.length = end
         x = self._rms(x, self.norm_w)
         return (self.head_linear or self.linear)(x[0], self.lm_head).float()
+
+
+def fused_layer(layer, stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat) -> dict:
+    """A decoder layer's weights as the compact forward reads them: q/k/v and gate/up
+    each stacked into one matmul weight by `stack` (the streamed forward stacks views
+    of its layer buffer instead of copies), the rest as they are."""
+    att, mlp = layer.self_attn, layer.mlp
+    qkv_bias = None
+    if att.q_proj.bias is not None:
+        qkv_bias = stack([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+    return {
+        "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+        "qkv": stack([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), "qkv_bias": qkv_bias,
+        "o": att.o_proj.weight, "gate_up": stack([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        "down": mlp.down_proj.weight, "inter": mlp.gate_proj.weight.shape[0],
+    }
 
 
 def supports(model) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from minions_local.offload.streamed import layer_store, layer_weights
-from minions_local.backends.compact import CompactDecoder, packing_is_exact
+from minions_local.backends.compact import CompactDecoder, fused_layer, packing_is_exact
 
 
 class StreamedCompactDecoder(CompactDecoder):
@@ -46,17 +46,10 @@ class StreamedCompactDecoder(CompactDecoder):
         key = (i, att.q_proj.weight.data_ptr())
         if key in self._views:
             return self._views[key]
-        stacks = [(stacked([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), att.q_proj.weight),
-                  (stacked([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.gate_proj.weight)]
-        qkv_bias = None
-        if att.q_proj.bias is not None:
-            qkv_bias = stacked([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-            stacks.append((qkv_bias, att.q_proj.bias))
-        fused = {
-            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-            "qkv": stacks[0][0], "qkv_bias": qkv_bias, "o": att.o_proj.weight, "gate_up": stacks[1][0],
-            "down": mlp.down_proj.weight, "inter": mlp.gate_proj.weight.shape[0],
-        }
+        fused = fused_layer(layer, stacked)
+        stacks = [(fused["qkv"], att.q_proj.weight), (fused["gate_up"], mlp.gate_proj.weight)]
+        if fused["qkv_bias"] is not None:
+            stacks.append((fused["qkv_bias"], att.q_proj.bias))
         if all(whole.data_ptr() == first.data_ptr() for whole, first in stacks):
             self._views[key] = fused  # views only: a kept copy would hold the layer resident
         return fused

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from minions_local.backends.hf_target import HFTarget, resident_target, streamed_target  # noqa: E402
 from minions_local.offload import load_streamed_causal_lm  # noqa: E402
 from minions_local.offload.checkpoint import Checkpoint  # noqa: E402
-from minions_local.offload.disk import read_files_direct  # noqa: E402
+from benchmarks.raw_reads import read_files_direct  # noqa: E402
 from minions_local.offload.layout import aligned_empty  # noqa: E402
 from minions_local.offload.streamed import layer_store, resolve_dtype  # noqa: E402
 
@@ -174,7 +174,7 @@ def pass_times(runners: list[Runner], sizes: list[int], repeats: int) -> dict[st
 def synthetic(args, passes: int, rounds: int, repeats: int, sizes: list[int]) -> None:
     """A random-weight target of a real shape, streamed from (pinned) RAM: the pass-time
     curve a profile depends on, and on CUDA the RAM tier's copy speed vs memcpy peak."""
-    from minions_local.offload.synthetic import synthetic_streamed_causal_lm
+    from benchmarks.synthetic import synthetic_streamed_causal_lm
 
     dtype = resolve_dtype(args.dtype or "bfloat16", Path("."))
     quant = args.quant or "int4"

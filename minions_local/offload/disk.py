@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import struct
-import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +180,7 @@ def write_pack(path: Path, *, layer: int, layout: LayerLayout, payload: torch.Te
     return PackFile(path, layer, layout, payload_offset, crc)
 
 
-def _open_direct(path: Path) -> int:
+def open_direct(path: Path) -> int:
     """An O_DIRECT descriptor; OSError(EINVAL) where the file system refuses it."""
     if not hasattr(os, "O_DIRECT"):
         raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
@@ -196,7 +195,7 @@ class PackReader:
         self.direct = True
         self.verified = False
         try:
-            self.fd = _open_direct(pack.path)
+            self.fd = open_direct(pack.path)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise ModelLoadError(f"cannot open layer pack {pack.path}: {e.strerror}") from e
@@ -255,52 +254,3 @@ class PackReader:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def read_files_direct(paths: list[Path], buffers: list[torch.Tensor], *,
-                      landing: list[torch.Tensor] | None = None) -> int:
-    """Read whole files with O_DIRECT (page cache bypassed), nothing else running; returns bytes.
-
-    The raw-speed yardstick of the streaming benchmark. Each file is split into
-    len(buffers) block-aligned ranges, the way `LayerStore` splits a layer, and
-    len(buffers) threads take the ranges in file order from one queue (no barrier
-    between files), each into its own buffer. One buffer = a plain sequential read.
-
-    landing: file k lands whole in landing[k % len(landing)] (each at least a file
-    long) instead of each thread re-reading into its own scratch: the memory traffic
-    of a streamer that keeps len(landing) layers in memory, with no compute.
-    """
-    fds = [_open_direct(p) for p in paths]
-    try:
-        ranges = []
-        for k, fd in enumerate(fds):
-            size = os.fstat(fd).st_size // BLOCK * BLOCK
-            step = round_up(-(-size // len(buffers)), BLOCK)
-            for start in range(0, size, step):
-                stop = min(size, start + step)
-                for a in range(start, stop, READ_CHUNK):  # bounded by the buffer size
-                    ranges.append((k, fd, a, min(stop, a + READ_CHUNK)))
-        queue = iter(ranges)
-        lock = threading.Lock()
-        total = [0] * len(buffers)
-
-        def worker(i: int) -> None:
-            view = memoryview(buffers[i].numpy())
-            while True:
-                with lock:
-                    item = next(queue, None)
-                if item is None:
-                    return
-                k, fd, a, b = item
-                dest = view[: b - a] if landing is None else memoryview(landing[k % len(landing)][a:b].numpy())
-                total[i] += os.preadv(fd, [dest], a)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(buffers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(total)
-    finally:
-        for fd in fds:
-            os.close(fd)

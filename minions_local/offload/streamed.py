@@ -110,7 +110,7 @@ def load_streamed_causal_lm(
     else:
         packs = {}
 
-    scratch = _Scratch(layouts, quant, dtype, device)
+    scratch = DequantScratch(layouts, quant, dtype, device)
     sources: list[RamSource | DiskSource] = []
     streamed: list[int] = []
     try:
@@ -142,7 +142,7 @@ def load_streamed_causal_lm(
 
 
 def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[RamSource | DiskSource], *,
-                      scratch: _Scratch, device: torch.device, dtype: torch.dtype, buffers: int,
+                      scratch: DequantScratch, device: torch.device, dtype: torch.dtype, buffers: int,
                       readers: int | None, stats: StreamStats) -> LayerStore:
     """Make `layers` (in execution order) take their weights from `sources` on each call."""
     store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
@@ -181,7 +181,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
 
 
 def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs: dict, ckpt: Checkpoint,
-                 prefix: str, scratch: _Scratch, device: torch.device, dtype: torch.dtype,
+                 prefix: str, scratch: DequantScratch, device: torch.device, dtype: torch.dtype,
                  stats: StreamStats) -> RamSource | DiskSource | None:
     """Put layer i where its tier says; returns its source when it streams."""
     if tier == "disk":
@@ -358,7 +358,7 @@ def _read_mode(sources: list, stats: StreamStats) -> str:
     return "fadvise"
 
 
-class _Scratch:
+class DequantScratch:
     """One compute-dtype buffer that quantized layers are dequantized into, one layer at a time."""
 
     def __init__(self, layouts: list[LayerLayout], quant: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -398,7 +398,7 @@ class _Binding:
     scale: torch.Tensor | None = None
 
 
-def _bindings(layer: nn.Module, layout: LayerLayout, buffer: torch.Tensor, scratch: _Scratch) -> list[_Binding]:
+def _bindings(layer: nn.Module, layout: LayerLayout, buffer: torch.Tensor, scratch: DequantScratch) -> list[_Binding]:
     """How each parameter of `layer` is produced from a packed `buffer` holding it."""
     params = dict(layer.named_parameters())
     quantized = any(p.role == "q" for p in layout.pieces)
@@ -438,7 +438,7 @@ class _StreamedLayer:
     `enter` / `exit` are also what a forward that does not call the module (the
     compact forward) runs around the layer; `layer_weights(layer)` finds them."""
 
-    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: _Scratch, dtype: torch.dtype,
+    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: DequantScratch, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.j, self.store, self.layer, self.scratch = j, store, layer, scratch
         self.layout = store.sources[j].layout
@@ -468,7 +468,7 @@ class _StreamedLayer:
 class _ResidentPackedLayer:
     """A quantized layer kept on the compute device, dequantized before each call."""
 
-    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: _Scratch,
+    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: DequantScratch,
                  device: torch.device) -> None:
         host = aligned_empty(layout.padded_nbytes)
         pack_layer(layout, tensors, host)

@@ -106,7 +106,7 @@ def test_no_o_direct_falls_back_visibly(llama, tmp_path, monkeypatch):
     def refuse(path):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(disk, "_open_direct", refuse)
+    monkeypatch.setattr(disk, "open_direct", refuse)
     model, stats = load(llama, tmp_path / "cache")
     assert stats.read_mode == "fadvise"
     assert any("O_DIRECT" in w for w in stats.warnings)
@@ -186,21 +186,3 @@ def test_big_host_buffers_are_advised_onto_huge_pages_and_keep_their_memory():
         assert flags is None or "hg" in flags, flags
     small = aligned_empty(5000)  # below a huge page: torch's allocator, still aligned
     assert small.numel() == 5000 and small.data_ptr() % BLOCK == 0
-
-
-def test_raw_reads_count_every_byte_and_land_where_asked(llama, tmp_path):
-    """The benchmark's yardstick: whole files, split across threads; with `landing`,
-    file k ends up intact in landing[k % len(landing)]."""
-    from minions_local.offload.layout import aligned_empty
-
-    cache = tmp_path / "cache"
-    load(llama, cache)
-    files = packs(cache)
-    sizes = [p.stat().st_size for p in files]
-    scratch = [aligned_empty(1 << 20) for _ in range(3)]
-    assert disk.read_files_direct(files * 2, scratch) == 2 * sum(sizes)
-    landing = [aligned_empty(max(sizes)) for _ in range(2)]
-    assert disk.read_files_direct(files, scratch, landing=landing) == sum(sizes)
-    for k in (len(files) - 2, len(files) - 1):  # the last file to land in each buffer
-        data = files[k].read_bytes()
-        assert bytes(landing[k % 2][: len(data)].numpy()) == data

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from minions_local.offload.layer_store import RamSource, StreamStats
 from minions_local.offload.layout import LayerLayout, aligned_empty, dtype_from_name, plan_layout
 from minions_local.offload.skeleton import rebuild_meta_buffers
-from minions_local.offload.streamed import _Scratch, install_streaming
+from minions_local.offload.streamed import DequantScratch, install_streaming
 
 SHAPES = {
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
@@ -53,7 +53,7 @@ def synthetic_streamed_causal_lm(shape: str, *, layers: int | None = None, quant
     data = aligned_empty(layout.padded_nbytes, pin=device.type == "cuda")
     _fill_random(layout, data, gen)
     stats = StreamStats(bytes_per_pass=layout.nbytes * len(decoder))
-    scratch = _Scratch([layout], quant, dtype, device)
+    scratch = DequantScratch([layout], quant, dtype, device)
     install_streaming(model, decoder, [RamSource(layout, data) for _ in decoder], scratch=scratch, device=device,
                       dtype=dtype, buffers=buffers, readers=readers, stats=stats)
     model.eval()

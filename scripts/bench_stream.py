@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minions_local.backends.hf_target import HFTarget, resident_target, streamed_target  # noqa: E402
+from minions_local.backends.hf_target import HFTarget, exact_target  # noqa: E402
 from minions_local.offload import load_streamed_causal_lm  # noqa: E402
 from minions_local.offload.checkpoint import Checkpoint  # noqa: E402
 from benchmarks.raw_reads import read_files_direct  # noqa: E402
@@ -180,7 +180,7 @@ def synthetic(args, passes: int, rounds: int, repeats: int, sizes: list[int]) ->
     quant = args.quant or "int4"
     model, stats = synthetic_streamed_causal_lm(args.synthetic, layers=args.layers, quant=quant, dtype=dtype,
                                                 device=args.device, buffers=args.buffers, readers=args.readers)
-    ram = Runner("ram", streamed_target(model, lambda: stats.bytes_streamed), stats, args.device)
+    ram = Runner("ram", exact_target(model, bytes_streamed=lambda: stats.bytes_streamed), stats, args.device)
     ram.pass_(1)
     h2d = h2d_check(ram, passes, rounds) if args.device.startswith("cuda") else {}
     times = pass_times([ram], sizes, repeats)
@@ -255,15 +255,17 @@ def main() -> None:
         # exact), plus the disk tier through transformers' own forward for comparison.
         if args.quant == "none":
             resident_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-            resident = resident_target(resident_model.to(dev).eval())
+            resident = exact_target(resident_model.to(dev).eval())
         else:  # the same quantized weights, resident: the device tier
-            resident = streamed_target(load_streamed_causal_lm(model_path, tier="device", **common)[0], lambda: 0)
+            resident = exact_target(load_streamed_causal_lm(model_path, tier="device", **common)[0])
         ram_model, ram_stats = load_streamed_causal_lm(model_path, tier="ram", **common)
         disk_model, disk_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
         hf_model, hf_stats = load_streamed_causal_lm(model_path, tier="disk", **common)
+        ram_target = exact_target(ram_model, bytes_streamed=lambda: ram_stats.bytes_streamed)
+        disk_target = exact_target(disk_model, bytes_streamed=lambda: disk_stats.bytes_streamed)
         runners = [Runner("resident", resident, None, dev),
-                   Runner("ram", streamed_target(ram_model, lambda: ram_stats.bytes_streamed), ram_stats, dev),
-                   Runner("disk", streamed_target(disk_model, lambda: disk_stats.bytes_streamed), disk_stats, dev),
+                   Runner("ram", ram_target, ram_stats, dev),
+                   Runner("disk", disk_target, disk_stats, dev),
                    Runner("disk_transformers", HFTarget(hf_model), hf_stats, dev)]
         disk = runners[2]
         params = checkpoint_params(model_path)

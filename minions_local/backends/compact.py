@@ -10,7 +10,7 @@ own rotary module, so every RoPE scaling variant stays correct.
 
 Minions always use it where supported (their numerics need not match anyone's: the
 target decides what is accepted). A resident target uses it only after a check at
-load time that its logits equal transformers' bit for bit (hf_target.resident_target),
+load time that its logits equal transformers' bit for bit (hf_target.exact_target),
 so decoding stays token-identical to the target run by transformers.
 """
 

@@ -16,6 +16,7 @@ from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
+from minions_local.offload.streamed import layer_weights
 
 
 class HFTarget(CachedModel):
@@ -51,24 +52,7 @@ class HFTarget(CachedModel):
 class CompactTarget(CompactModel, HFTarget):
     """A resident target on the compact forward (fused, prepacked matmuls): 1.4-1.9x
     faster passes on a CPU. Only used where its logits equal transformers' bit for
-    bit on this machine (`resident_target` checks), so decoding stays token-identical."""
-
-
-def resident_target(model, release_weights: bool = True) -> HFTarget:
-    """The fastest exact wrapper for a target whose layers all stay in memory.
-
-    release_weights: drop the transformers modules' copies of the fused weights (the
-    model object can then no longer run on its own; the loader owns it, so it may).
-    While it loads, the compact forward's copies sit next to the model's own (peak
-    memory twice the weights) until they are released."""
-    if supports(model) and next(model.parameters()).device.type == "cpu":
-        target = CompactTarget(model)
-        if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):
-            target.reset()  # the check's tokens are not the conversation's
-            if release_weights:
-                target.decoder.release_module_weights(model)
-            return target
-    return HFTarget(model)
+    bit on this machine (`exact_target` checks), so decoding stays token-identical."""
 
 
 class StreamedCompactTarget(CompactModel, HFTarget):
@@ -78,19 +62,28 @@ class StreamedCompactTarget(CompactModel, HFTarget):
     decoder_class = StreamedCompactDecoder
 
 
-def streamed_target(model, bytes_streamed: Callable[[], int], release_weights: bool = True) -> HFTarget:
-    """The fastest exact wrapper for a target loaded by `load_streamed_causal_lm`.
+def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
+                 release_weights: bool = True) -> HFTarget:
+    """The fastest wrapper of `model` whose logits are transformers' own, bit for bit.
 
-    The check runs a few streamed passes at load time: both forwards take their
-    layers from the same prefetch pipeline. release_weights: as for resident_target,
-    for what stays resident (see CompactDecoder.release_module_weights)."""
+    That is the compact forward (streamed where the model's layers stream, as after
+    `load_streamed_causal_lm`) where a check at load time finds it exact on this
+    machine, else transformers' forward. For a streamed model the check runs a few
+    streamed passes: both forwards take their layers from the same prefetch pipeline.
+
+    bytes_streamed: the streamer's cumulative byte count (None: nothing streams).
+    release_weights: drop the transformers modules' copies of what the compact forward
+    holds itself (see CompactDecoder.release_module_weights); the model object can then
+    no longer run on its own (the loader owns it, so it may). While it loads, those
+    copies sit next to the model's own (peak memory twice the resident weights)."""
     if supports(model) and next(model.parameters()).device.type == "cpu":
-        target = StreamedCompactTarget(model, bytes_streamed=bytes_streamed)
-        if _same_logits(HFTarget(model), target, int(model.config.vocab_size)):
-            target.reset()
+        streams = any(layer_weights(layer) is not None for layer in model.model.layers)
+        compact = (StreamedCompactTarget if streams else CompactTarget)(model, bytes_streamed=bytes_streamed)
+        if _same_logits(HFTarget(model), compact, int(model.config.vocab_size)):
+            compact.reset()  # the check's tokens are not the conversation's
             if release_weights:
-                target.decoder.release_module_weights(model)
-            return target
+                compact.decoder.release_module_weights(model)
+            return compact
     return HFTarget(model, bytes_streamed=bytes_streamed)
 
 

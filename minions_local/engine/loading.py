@@ -11,7 +11,7 @@ import torch
 from minions_local.core.protocols import Minion
 from minions_local.backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from minions_local.backends.hf_minion import HFMinion
-from minions_local.backends.hf_target import HFTarget, resident_target, streamed_target
+from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from minions_local.core.events import LoadProgress
 from minions_local.engine.text import load_tokenizer
@@ -53,10 +53,10 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
 
         model, stats = load_streamed_causal_lm(path, tier=tier, dtype=dtype, device=device, progress=progress,
                                                **stream_options)
-        target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+        target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
         target.stream_stats = stats
     else:
-        target = resident_target(load_causal_lm(path, "target", dtype, device))
+        target = exact_target(load_causal_lm(path, "target", dtype, device))
     if progress:
         progress(LoadProgress("target", tier, total, total, "ready"))
     tokenizer = load_tokenizer(path, "target")

@@ -46,7 +46,7 @@ def test_qwen2_bias_and_fallbacks():
 
 from minions_local.backends import hf_target  # noqa: E402
 from minions_local.backends.compact import packing_is_exact  # noqa: E402
-from minions_local.backends.hf_target import CompactTarget, HFTarget, resident_target  # noqa: E402
+from minions_local.backends.hf_target import CompactTarget, HFTarget, exact_target  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,7 +54,7 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
     """Exactness is the point: the target's logits, not just its argmax, must be the same."""
     model = random_model(tiny_config("llama"), 3).to(dtype)
     ref = HFTarget(random_model(tiny_config("llama"), 3).to(dtype))
-    target = resident_target(model)
+    target = exact_target(model)
     # Which wrapper is a property of the CPU (the load-time check decides); on this
     # project's machines it is the compact one, prepacked in bf16. Either must be exact.
     compact = isinstance(target, CompactTarget)
@@ -78,7 +78,7 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
 def test_resident_target_falls_back_where_the_compact_forward_is_not_exact(monkeypatch):
     monkeypatch.setattr(hf_target, "_same_logits", lambda reference, compact, vocab: False)
     model = random_model(tiny_config("llama"), 3)
-    target = resident_target(model)
+    target = exact_target(model)
     assert type(target) is HFTarget and model.model.layers[0].mlp.gate_proj.weight.numel() > 0
 
 

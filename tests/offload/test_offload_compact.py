@@ -8,7 +8,7 @@ import torch
 
 from minions_local.backends import hf_target
 from minions_local.backends.compact_streamed import stacked
-from minions_local.backends.hf_target import HFTarget, StreamedCompactTarget, streamed_target
+from minions_local.backends.hf_target import CompactTarget, HFTarget, StreamedCompactTarget, exact_target
 from minions_local.offload import load_streamed_causal_lm
 from minions_local.core.tree import TokenTree
 from tests.helpers.offload_helpers import one_thread, save_tiny
@@ -47,7 +47,7 @@ def test_streamed_compact_target_equals_transformers_bit_for_bit(tmp_path, arch,
     model, stats = _streamed(path, tmp_path / "b", dtype, tier="disk", quant=quant, layer_tiers=layer_tiers)
     ref = HFTarget(ref_model)
     # (kept: a second compact wrapper is built on the same model below)
-    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed, release_weights=False)
+    target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed, release_weights=False)
     # On this project's machines the check at load time picks the compact forward;
     # whichever is picked must give the same bits.
     assert isinstance(target, StreamedCompactTarget)
@@ -95,9 +95,21 @@ def test_streamed_target_falls_back_to_transformers_where_not_exact(tmp_path, mo
     monkeypatch.setattr(hf_target, "_same_logits", lambda reference, compact, vocab: False)
     path = save_tiny(tmp_path, "llama", layers=2)
     model, stats = _streamed(path, tmp_path / "d", torch.bfloat16, tier="disk")
-    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
     assert type(target) is HFTarget
     assert target.bytes_streamed() == stats.bytes_streamed
+
+
+def test_streaming_is_where_the_layers_live_not_how_the_model_was_loaded(tmp_path):
+    """The streaming loader with every layer on the device: the resident compact forward."""
+    path = save_tiny(tmp_path, "llama", layers=2)
+    ref_model, _ = _streamed(path, tmp_path / "i", torch.bfloat16, tier="device")
+    model, stats = _streamed(path, tmp_path / "j", torch.bfloat16, tier="device")
+    target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    assert type(target) is CompactTarget
+    context = list(range(3, 40))
+    tree, _ = _tree(context[-1])
+    assert torch.equal(HFTarget(ref_model).verify(context, tree), target.verify(context, tree))
 
 
 def test_resident_parts_are_held_once(tmp_path):
@@ -107,7 +119,7 @@ def test_resident_parts_are_held_once(tmp_path):
     tiers = ["disk", "device", "disk"]
     ref_model, _ = _streamed(path, tmp_path / "e", torch.bfloat16, tier="disk", layer_tiers=tiers)
     model, stats = _streamed(path, tmp_path / "f", torch.bfloat16, tier="disk", layer_tiers=tiers)
-    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
     assert isinstance(target, StreamedCompactTarget)
     resident = model.model.layers[1]
     assert resident.self_attn.q_proj.weight.numel() == 0 and resident.mlp.up_proj.weight.numel() == 0
@@ -128,7 +140,7 @@ def test_a_pass_interrupted_inside_a_layer_leaves_the_target_exact(tmp_path, mon
     path = save_tiny(tmp_path, "llama", layers=3)
     ref_model, _ = _streamed(path, tmp_path / "g", torch.bfloat16, tier="disk")
     model, stats = _streamed(path, tmp_path / "h", torch.bfloat16, tier="disk")
-    target = streamed_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+    target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
     weights = layer_weights(model.model.layers[layer])
     real, calls = weights.enter, []
 

@@ -1,6 +1,6 @@
 """Held-out prompts for the benchmark: Python code the demo family never saw.
 
-The family trains on the standard library only (scripts/demo_corpus.py), so prompts
+The family trains on the standard library only (scripts/demo_family/corpus.py), so prompts
 come from third-party packages in site-packages: the opening tokens of function
 definitions from a fixed list of files. The selection depends only on the files'
 contents: same installed versions, same prompts, in the same order.

@@ -1,6 +1,6 @@
 """Stand-in models for the benchmark while the trained demo family is not there.
 
-Random weights in the demo family's exact shapes (scripts/demo_family_spec.py), on a
+Random weights in the demo family's exact shapes (scripts/demo_family/spec.py), on a
 byte-level BPE tokenizer trained in seconds on a few stdlib files, saved as bf16 HF
 folders like the shipped family. Their speeds are real (same shapes, same code
 paths); their acceptance rates are not (random minions rarely agree with a random
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from demo_family_spec import FULL, QUICK, FamilySpec
-from demo_tokenizer import as_hf_tokenizer, train_byte_level_bpe
+from demo_family.spec import FULL, QUICK, FamilySpec
+from demo_family.tokenizer import as_hf_tokenizer, train_byte_level_bpe
 
 # A fixed handful of stdlib modules: enough text for a 4096-token BPE, quick to train.
 TOKENIZER_SOURCES = ("collections/__init__.py", "functools.py", "inspect.py", "argparse.py", "typing.py")

@@ -30,12 +30,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-import demo_corpus  # noqa: E402
-import demo_eval  # noqa: E402
-import demo_release  # noqa: E402
-from demo_family_spec import FULL, QUICK, FamilySpec  # noqa: E402
-from demo_tokenizer import END_OF_TEXT, as_hf_tokenizer, render_chat, train_byte_level_bpe  # noqa: E402
-from demo_training import WindowStream, iterate_windows, train_family  # noqa: E402
+from demo_family import corpus as demo_corpus  # noqa: E402
+from demo_family import release as demo_release  # noqa: E402
+from demo_family.evaluation import evaluate, print_table  # noqa: E402
+from demo_family.spec import FULL, QUICK, check_sizes  # noqa: E402
+from demo_family.tokenizer import END_OF_TEXT, as_hf_tokenizer, train_byte_level_bpe  # noqa: E402
+from demo_family.training import WindowStream, token_stream, train_family, training_text  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "minions_local" / "demo_models"
@@ -43,86 +43,6 @@ DEFAULT_OUT = REPO_ROOT / "minions_local" / "demo_models"
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def training_text(doc: demo_corpus.Document) -> str:
-    """A document as the models see it; chat-form documents end with their own EOS."""
-    if demo_corpus.wants_chat_form(doc):
-        user, reply = demo_corpus.chat_request_for(doc)
-        return render_chat([{"role": "user", "content": user}, {"role": "assistant", "content": reply}]).rstrip("\n")
-    return doc.text + END_OF_TEXT
-
-
-def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    """EOS, then the texts back to back: every document starts right after an EOS,
-    as a chat prompt starts right after the template's BOS."""
-    ids = [tokenizer.eos_token_id]
-    for encoding in tokenizer.backend_tokenizer.encode_batch(texts):
-        ids.extend(encoding.ids)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def per_file_windows(tokenizer, docs, window: int, limit: int) -> list[torch.Tensor]:
-    """One window from the start of each file (BOS first), files too short skipped."""
-    windows = []
-    for doc in docs:
-        ids = [tokenizer.eos_token_id] + tokenizer.backend_tokenizer.encode(doc.text).ids
-        if len(ids) >= window:
-            windows.append(torch.tensor(ids[:window], dtype=torch.long))
-        if len(windows) >= limit:
-            break
-    return windows
-
-
-def check_sizes(spec: FamilySpec, params: dict[str, int]) -> None:
-    if params["target"] < spec.min_target_params:
-        raise SystemExit(f"target has {params['target']:,} params, needs >= {spec.min_target_params:,}")
-    lo, hi = spec.minion_param_range
-    for name, n in params.items():
-        if name != "target" and not lo <= n <= hi:
-            raise SystemExit(f"{name} has {n:,} params, outside {lo:,}-{hi:,}")
-
-
-def evaluate(spec, tokenizer, models, held_out_tokens, third_party_docs) -> dict:
-    shipped = {name: demo_eval.as_shipped(m) for name, m in models.items()}
-    held_windows = list(iterate_windows(held_out_tokens, spec.eval_window + 1, spec.eval_max_windows))
-    code_windows = per_file_windows(tokenizer, third_party_docs, spec.eval_window, spec.eval_max_windows)
-    log(f"eval: {len(held_windows)} held-out windows, {len(code_windows)} third-party windows")
-    figures: dict = {"models": {}}
-    choices = {name: demo_eval.greedy_choices(m, code_windows) for name, m in shipped.items()}
-    prompts = torch.stack([w[: spec.greedy_prompt_len] for w in code_windows[: spec.greedy_prompts]])
-    continuations = list(demo_eval.greedy_continuations(shipped["target"], prompts, spec.greedy_new_tokens))
-    greedy_choices = {name: demo_eval.greedy_choices(m, continuations) for name, m in shipped.items()}
-    skip = spec.greedy_prompt_len - 1  # positions that predict generated tokens
-    for name, model in shipped.items():
-        fig = {"params": sum(p.numel() for p in model.parameters())}
-        fig["held_out_loss"] = demo_eval.mean_loss(model, held_windows)
-        if name != "target":
-            fig["third_party"] = vars(demo_eval.agreement(choices["target"], choices[name]))
-            fig["greedy"] = vars(demo_eval.agreement(greedy_choices["target"], greedy_choices[name], skip=skip))
-        figures["models"][name] = fig
-    minion_names = [n for n in shipped if n != "target"]
-    figures["tree_of_chains_tokens_per_pass"] = demo_eval.tree_of_chains_tokens_per_pass(
-        greedy_choices["target"], [greedy_choices[n] for n in minion_names], skip=skip
-    )
-    figures["tree_of_chains_tokens_per_pass_real_code"] = demo_eval.tree_of_chains_tokens_per_pass(
-        choices["target"], [choices[n] for n in minion_names]
-    )
-    figures["third_party_files"] = len(code_windows)
-    return figures, shipped, code_windows
-
-
-def print_table(figures: dict) -> None:
-    log(f"{'model':<18} {'params':>10} {'held-out':>9} {'top1':>6} {'top4':>6} {'run':>5} {'greedy top1':>11} {'tok/pass':>8}")
-    for name, fig in figures["models"].items():
-        tp, gr = fig.get("third_party"), fig.get("greedy")
-        cols = [f"{name:<18}", f"{fig['params']:>10,}", f"{fig['held_out_loss']:>9.3f}"]
-        if tp:
-            cols += [f"{tp['top1']:>6.3f}", f"{tp['top4']:>6.3f}", f"{tp['mean_run']:>5.2f}"]
-            cols += [f"{gr['top1']:>11.3f}", f"{gr['chain_tokens_per_pass']:>8.2f}"]
-        log(" ".join(cols))
-    log(f"tree of all minions' chains: {figures['tree_of_chains_tokens_per_pass']:.2f} tokens/pass (greedy), "
-        f"{figures['tree_of_chains_tokens_per_pass_real_code']:.2f} along real code")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     models = {"target": target, **minions}
     third_party = demo_corpus.third_party_sample(spec.eval_files_per_package)
-    figures, shipped, code_windows = evaluate(spec, tokenizer, models, held_out_tokens, third_party)
-    print_table(figures)
+    figures, shipped, code_windows = evaluate(spec, tokenizer, models, held_out_tokens, third_party, log=log)
+    print_table(figures, log=log)
 
     for name, model in models.items():
         demo_release.save_member(model, tokenizer, out / name)

@@ -4,18 +4,12 @@ speculative-decoding simulation it reports, and a --quick end-to-end run."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import demo_corpus  # noqa: E402
-import demo_eval  # noqa: E402
-from demo_tokenizer import END_OF_TEXT, as_hf_tokenizer, render_chat, train_byte_level_bpe  # noqa: E402
+from demo_family import corpus as demo_corpus
+from demo_family import evaluation as demo_eval
+from demo_family.tokenizer import END_OF_TEXT, as_hf_tokenizer, render_chat, train_byte_level_bpe
 
 
 def test_corpus_never_reads_site_packages_or_tests():

@@ -179,3 +179,12 @@ QUICK = FamilySpec(
     min_target_params=0,
     minion_param_range=(0, 10**9),
 )
+
+
+def check_sizes(spec: FamilySpec, params: dict[str, int]) -> None:
+    if params["target"] < spec.min_target_params:
+        raise SystemExit(f"target has {params['target']:,} params, needs >= {spec.min_target_params:,}")
+    lo, hi = spec.minion_param_range
+    for name, n in params.items():
+        if name != "target" and not lo <= n <= hi:
+            raise SystemExit(f"{name} has {n:,} params, outside {lo:,}-{hi:,}")

@@ -8,11 +8,14 @@ the figures do not wobble with bf16 rounding of activations.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+
+from demo_family.training import iterate_windows
 
 CHAIN_DEPTH = 8  # draft tokens per pass in the chain simulations below
 
@@ -125,3 +128,60 @@ def tree_of_chains_tokens_per_pass(
 def _weighted(values: list[float], seqs: list[torch.Tensor]) -> float:
     weights = [s.shape[0] for s in seqs]
     return sum(v * w for v, w in zip(values, weights)) / max(sum(weights), 1)
+
+
+def per_file_windows(tokenizer, docs, window: int, limit: int) -> list[torch.Tensor]:
+    """One window from the start of each file (BOS first), files too short skipped."""
+    windows = []
+    for doc in docs:
+        ids = [tokenizer.eos_token_id] + tokenizer.backend_tokenizer.encode(doc.text).ids
+        if len(ids) >= window:
+            windows.append(torch.tensor(ids[:window], dtype=torch.long))
+        if len(windows) >= limit:
+            break
+    return windows
+
+
+def evaluate(spec, tokenizer, models, held_out_tokens, third_party_docs,
+             log: Callable[[str], None] = print) -> tuple[dict, dict, list[torch.Tensor]]:
+    """The family's figures (losses, agreement, simulated tokens per pass), the models
+    as shipped, and the third-party windows they were measured on."""
+    shipped = {name: as_shipped(m) for name, m in models.items()}
+    held_windows = list(iterate_windows(held_out_tokens, spec.eval_window + 1, spec.eval_max_windows))
+    code_windows = per_file_windows(tokenizer, third_party_docs, spec.eval_window, spec.eval_max_windows)
+    log(f"eval: {len(held_windows)} held-out windows, {len(code_windows)} third-party windows")
+    figures: dict = {"models": {}}
+    choices = {name: greedy_choices(m, code_windows) for name, m in shipped.items()}
+    prompts = torch.stack([w[: spec.greedy_prompt_len] for w in code_windows[: spec.greedy_prompts]])
+    continuations = list(greedy_continuations(shipped["target"], prompts, spec.greedy_new_tokens))
+    on_continuations = {name: greedy_choices(m, continuations) for name, m in shipped.items()}
+    skip = spec.greedy_prompt_len - 1  # positions that predict generated tokens
+    for name, model in shipped.items():
+        fig = {"params": sum(p.numel() for p in model.parameters())}
+        fig["held_out_loss"] = mean_loss(model, held_windows)
+        if name != "target":
+            fig["third_party"] = vars(agreement(choices["target"], choices[name]))
+            fig["greedy"] = vars(agreement(on_continuations["target"], on_continuations[name], skip=skip))
+        figures["models"][name] = fig
+    minion_names = [n for n in shipped if n != "target"]
+    figures["tree_of_chains_tokens_per_pass"] = tree_of_chains_tokens_per_pass(
+        on_continuations["target"], [on_continuations[n] for n in minion_names], skip=skip
+    )
+    figures["tree_of_chains_tokens_per_pass_real_code"] = tree_of_chains_tokens_per_pass(
+        choices["target"], [choices[n] for n in minion_names]
+    )
+    figures["third_party_files"] = len(code_windows)
+    return figures, shipped, code_windows
+
+
+def print_table(figures: dict, log: Callable[[str], None] = print) -> None:
+    log(f"{'model':<18} {'params':>10} {'held-out':>9} {'top1':>6} {'top4':>6} {'run':>5} {'greedy top1':>11} {'tok/pass':>8}")
+    for name, fig in figures["models"].items():
+        tp, gr = fig.get("third_party"), fig.get("greedy")
+        cols = [f"{name:<18}", f"{fig['params']:>10,}", f"{fig['held_out_loss']:>9.3f}"]
+        if tp:
+            cols += [f"{tp['top1']:>6.3f}", f"{tp['top4']:>6.3f}", f"{tp['mean_run']:>5.2f}"]
+            cols += [f"{gr['top1']:>11.3f}", f"{gr['chain_tokens_per_pass']:>8.2f}"]
+        log(" ".join(cols))
+    log(f"tree of all minions' chains: {figures['tree_of_chains_tokens_per_pass']:.2f} tokens/pass (greedy), "
+        f"{figures['tree_of_chains_tokens_per_pass_real_code']:.2f} along real code")

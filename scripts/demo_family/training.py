@@ -16,7 +16,26 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from demo_family_spec import Budget
+from demo_family import corpus
+from demo_family.spec import Budget
+from demo_family.tokenizer import END_OF_TEXT, render_chat
+
+
+def training_text(doc: corpus.Document) -> str:
+    """A document as the models see it; chat-form documents end with their own EOS."""
+    if corpus.wants_chat_form(doc):
+        user, reply = corpus.chat_request_for(doc)
+        return render_chat([{"role": "user", "content": user}, {"role": "assistant", "content": reply}]).rstrip("\n")
+    return doc.text + END_OF_TEXT
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """EOS, then the texts back to back: every document starts right after an EOS,
+    as a chat prompt starts right after the template's BOS."""
+    ids = [tokenizer.eos_token_id]
+    for encoding in tokenizer.backend_tokenizer.encode_batch(texts):
+        ids.extend(encoding.ids)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 class WindowStream:

@@ -26,7 +26,7 @@ from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.selection import MinionSelector, minion_estimate
-from minions_local.speculation.vote import merge_proposals, source_shares
+from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
 
 
 @dataclass
@@ -170,10 +170,10 @@ class Decoder:
             expected = max(expected, minion_estimate(proposals[m]))
         allowed = [b.max_nodes for b in budgets]
         if draws is None:
-            merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size)
+            merged = merge_greedy(context[-1], proposals, weights, self.target.vocab_size)
             return merged.select(budget.nodes, deepest), ran, seconds, allowed
         # Each minion grew only its share: no selection after merging (vote.py says why).
-        merged = merge_proposals(context[-1], proposals, weights, self.target.vocab_size, run_order)
+        merged = merge_sampled(context[-1], proposals, weights, self.target.vocab_size, run_order)
         return merged, ran, seconds, allowed
 
     def _sampled_budgets(self, budget: StepBudget, weights: list[float], ran: list[bool], params: SamplingParams,

@@ -17,7 +17,7 @@ from minions_local.backends.hf_minion import draw_without_replacement
 from minions_local.speculation import accept as accept_module
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.speculation.accept import accept
-from minions_local.speculation.vote import merge_proposals, source_shares
+from minions_local.speculation.vote import merge_sampled, source_shares
 from tests.helpers.stats import chi2_pvalue
 from tests.helpers.tiny_models import noisy_copy, random_model, save, tiny_config
 
@@ -75,7 +75,7 @@ def first_two_law(n: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     seen = Counter()
     for _ in range(n):
-        tree = merge_proposals(0, sampled_proposals(gen, *qs), [1.0, 1.0, 1.0], entry_order=[0, 1, 2])
+        tree = merge_sampled(0, sampled_proposals(gen, *qs), [1.0, 1.0, 1.0], None, [0, 1, 2])
         logits = torch.zeros(len(tree), VOCAB)
         for node in range(1, len(tree)):
             if tree.depths[node] == 1:
@@ -109,14 +109,29 @@ def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong):
 
 def test_merge_orders_sampled_entries_first():
     q_a_root, q_b_root, q_a_after = law_setup()[2:]
-    tree = merge_proposals(0, sampled_proposals(torch.Generator().manual_seed(3), q_a_root, q_b_root, q_a_after),
-                           [1.0, 1.0, 1.0], entry_order=[0, 1, 2])
+    tree = merge_sampled(0, sampled_proposals(torch.Generator().manual_seed(3), q_a_root, q_b_root, q_a_after),
+                         [1.0, 1.0, 1.0], None, [0, 1, 2])
     root_entries = tree.entries[0]
     (_, a1), (_, a2), (_, b1) = root_entries[:3]
     # A's two draws share one stored q, then B's draw with its own.
     assert a1 == a2 != b1 and tree.drafts[a1] is q_a_root and tree.drafts[b1] is q_b_root
     assert [(t, d) for t, d in root_entries[3:]] == [(5, -1), (1, -1)]
     assert all(tree.children[0][t] for t, _ in root_entries)
+
+
+def test_sampled_merge_refuses_a_draw_past_the_vocabulary():
+    """Dropping a drawn token for its value would bias the draws after it: a sampling
+    minion must draw below the limit it was given, and the merge says so when it did not."""
+    q = torch.full((8,), 1 / 8)
+    drawn = CandidateTree()
+    drawn.draws[-1] = q
+    drawn.add(7, -1, 0.0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        merge_sampled(0, [drawn], [1.0], 6, [0])
+    assert merge_sampled(0, [drawn], [1.0], 8, [0]).entries[0] == [(7, 0)]
+    fixed = CandidateTree()
+    fixed.add(7, -1, 0.0)
+    assert merge_sampled(0, [fixed], [1.0], 6, [0]).tokens == [0]  # a deterministic pick just goes
 
 
 def test_source_shares_depend_on_weights_only():

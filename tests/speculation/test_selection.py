@@ -5,7 +5,7 @@ import random
 
 from minions_local.core.protocols import CandidateTree
 from minions_local.speculation.selection import MinionSelector
-from minions_local.speculation.vote import merge_proposals
+from minions_local.speculation.vote import merge_greedy
 
 
 def chain(tokens, p=0.8):
@@ -34,7 +34,7 @@ def simulate(selector, steps, quality, cost, rng):
         proposals = [
             (chain(truth) if rng.random() < q else chain([rng.randrange(200, 300) for _ in range(6)])) if r else None
             for q, r in zip(quality, ran)]
-        tree = merge_proposals(1, proposals, selector.weights())
+        tree = merge_greedy(1, proposals, selector.weights())
         path = accepted_path(tree, truth)
         grow = [c if r else 0.0 for c, r in zip(cost, ran)]
         selector.observe(tree, path, ran, grow, sum(grow) + 0.05, len(path))
@@ -82,6 +82,6 @@ def test_costly_minion_defers_to_a_confident_cheap_one():
     assert minion_estimate(confident) > 2.0
     assert not selector.still_needed(0, minion_estimate(confident))
     assert selector.still_needed(0, minion_estimate(chain([5], p=0.3)))
-    tree = merge_proposals(1, [None, confident], [1.0, 1.0])
+    tree = merge_greedy(1, [None, confident], [1.0, 1.0])
     selector.observe(tree, [0], [False, True], [0.0, 0.0002], 0.03, 1)
     assert selector.stats[0].skipped == 0  # a deferral is not a cost-based skip

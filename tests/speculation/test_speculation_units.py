@@ -14,7 +14,7 @@ from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import AdaptiveDepth, FixedBudget
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.selection import MinionSelector, contributions, marginal_tokens
-from minions_local.speculation.vote import merge_proposals
+from minions_local.speculation.vote import merge_greedy
 from minions_local.core.events import StepRecord
 
 
@@ -29,7 +29,7 @@ def proposal(*nodes):
 def test_merge_votes_by_token_path():
     a = proposal((5, -1, 0.8), (6, 0, 0.6), (7, -1, 0.1))
     b = proposal((5, -1, 0.5), (9, 0, 0.4))
-    tree = merge_proposals(1, [a, b], [3.0, 1.0])
+    tree = merge_greedy(1, [a, b], [3.0, 1.0])
     five = tree.child(0, 5)
     assert tree.parents[five] == 0 and tree.proposers[five] == 0b11
     assert math.isclose(tree.scores[five], 0.75 * 0.8 + 0.25 * 0.5)
@@ -41,7 +41,7 @@ def test_merge_votes_by_token_path():
 
 def test_merge_skips_absent_minions_and_out_of_vocab_subtrees():
     a = proposal((50, -1, 0.9), (3, 0, 0.8), (4, -1, 0.5))
-    tree = merge_proposals(1, [None, a], [1.0, 1.0], vocab_limit=40)
+    tree = merge_greedy(1, [None, a], [1.0, 1.0], vocab_limit=40)
     assert tree.tokens == [1, 4] and math.isclose(tree.scores[1], 0.5)
 
 

@@ -231,18 +231,25 @@ class Engine:
     def _acquire(self, doing: str) -> None:
         if self._busy.acquire(blocking=False):
             return
-        # A stream() nobody reads any more holds the engine until it is closed; one caught
-        # in a reference cycle is closed only when the cycle collector runs: run it now.
-        gc.collect()
-        if self._busy.acquire(blocking=False):
-            return
+        if self._paused_stream() is not None:
+            # A stream() nobody reads any more holds the engine until it is closed; one caught
+            # in a reference cycle is closed only when the cycle collector runs (0.5 s with
+            # torch loaded, so only here): run it now.
+            gc.collect()
+            if self._busy.acquire(blocking=False):
+                return
         raise EngineBusyError(self._busy_message(doing))
+
+    def _paused_stream(self) -> Iterator[Event] | None:
+        """The stream holding the engine, if it is suspended between events."""
+        holder = self._holder
+        events = holder.stream() if holder is not None and holder.stream is not None else None
+        return events if events is not None and not events.gi_running else None
 
     def _busy_message(self, doing: str) -> str:
         holder = self._holder
-        events = holder.stream() if holder is not None and holder.stream is not None else None
         where = f" (started in thread {holder.thread!r})" if holder is not None else ""
-        if events is not None and not events.gi_running:
+        if self._paused_stream() is not None:
             return (f"Cannot {doing}: a stream() opened earlier{where} is paused, waiting for its caller to read "
                     f"on, and holds the engine until it ends. Read it to the end or close it (stream.close(), "
                     f"or open it with contextlib.closing); dropping every reference to it releases it too.")

@@ -22,6 +22,8 @@ from minions_local.backends.compact import CompactDecoder, fused_layer, packing_
 class StreamedCompactDecoder(CompactDecoder):
     def __init__(self, model, capacity: int = 512, exact: bool = True) -> None:
         self.modules = list(model.model.layers)
+        self.weights = [layer_weights(layer) for layer in self.modules]
+        """Per layer: what gives it its weights around each pass (None: fused at load)."""
         self.store = layer_store(model)
         self._views: dict[tuple[int, int], dict] = {}
         """(layer, address of its bound q weight) -> its fused views for that buffer."""
@@ -39,7 +41,7 @@ class StreamedCompactDecoder(CompactDecoder):
         if fused is not None:
             return fused
         layer = self.modules[i]
-        layer_weights(layer).enter()
+        self.weights[i].enter()
         att, mlp = layer.self_attn, layer.mlp
         # A layer sitting in a given buffer always binds the same views (the streamer
         # caches its bindings per buffer), so its fused views are built once per buffer.
@@ -56,7 +58,7 @@ class StreamedCompactDecoder(CompactDecoder):
 
     def _done(self, i: int) -> None:
         if self.layers[i] is None:
-            layer_weights(self.modules[i]).exit()
+            self.weights[i].exit()
 
     def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.store is not None:

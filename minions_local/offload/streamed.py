@@ -152,7 +152,7 @@ def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[R
         _StreamedLayer(layer, j, store, scratch, dtype, device)
     model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())
     weakref.finalize(model, store.close)
-    model._minions_layer_store = store  # keeps the pipeline alive with the model
+    _stores[model] = store  # keeps the pipeline alive with the model
     return store
 
 
@@ -398,9 +398,9 @@ class _Binding:
     scale: torch.Tensor | None = None
 
 
-def _bindings(layer: nn.Module, layout: LayerLayout, buffer: torch.Tensor, scratch: DequantScratch) -> list[_Binding]:
-    """How each parameter of `layer` is produced from a packed `buffer` holding it."""
-    params = dict(layer.named_parameters())
+def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torch.Tensor,
+              scratch: DequantScratch) -> list[_Binding]:
+    """How each of a layer's `params` (by name) is produced from a packed `buffer` holding it."""
     quantized = any(p.role == "q" for p in layout.pieces)
     scratch_views = scratch.views(layout) if quantized else {}
     out = []
@@ -440,22 +440,24 @@ class _StreamedLayer:
 
     def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: DequantScratch, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.j, self.store, self.layer, self.scratch = j, store, layer, scratch
+        self.j, self.store, self.scratch = j, store, scratch
         self.layout = store.sources[j].layout
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         _empty_parameters(layer, self.placeholder)
+        self.params = dict(layer.named_parameters())
+        """The layer's (emptied) parameters; not the layer itself, which `_weights` keys weakly."""
         self.bindings: dict[int, list[_Binding]] = {}
         """Per buffer index: the views this layer binds when it sits in that buffer."""
         self.current: list[_Binding] = []
         layer.register_forward_pre_hook(lambda _m, _a: self.enter())
         layer.register_forward_hook(lambda _m, _a, _o: self.exit())
-        layer._minions_weights = self
+        _weights[layer] = self
 
     def enter(self) -> None:
         """Wait for this layer's fetch and point its parameters into the buffer."""
         k = self.store.acquire(self.j)
         if k not in self.bindings:
-            self.bindings[k] = _bindings(self.layer, self.layout, self.store.buffers[k], self.scratch)
+            self.bindings[k] = _bindings(self.params, self.layout, self.store.buffers[k], self.scratch)
         self.current = self.bindings[k]
         _bind(self.current, self.layout.quant)
 
@@ -476,10 +478,10 @@ class _ResidentPackedLayer:
         self.layout = layout
         self.placeholder = torch.empty(0, dtype=scratch.dtype, device=device)
         _empty_parameters(layer, self.placeholder)
-        self.bindings = _bindings(layer, layout, self.packed, scratch)
+        self.bindings = _bindings(dict(layer.named_parameters()), layout, self.packed, scratch)
         layer.register_forward_pre_hook(lambda _m, _a: self.enter())
         layer.register_forward_hook(lambda _m, _a, _o: self.exit())
-        layer._minions_weights = self
+        _weights[layer] = self
 
     def enter(self) -> None:
         _bind(self.bindings, self.layout.quant)
@@ -488,12 +490,19 @@ class _ResidentPackedLayer:
         _unbind(self.bindings, self.placeholder)
 
 
+# What this module keeps for transformers' objects, here and not as attributes set on
+# them. Weak keys: an entry lives as long as its model or layer, and no value refers
+# back to its key (a layer's hooks hold its weights object, not the other way round).
+_weights: weakref.WeakKeyDictionary[nn.Module, _StreamedLayer | _ResidentPackedLayer] = weakref.WeakKeyDictionary()
+_stores: weakref.WeakKeyDictionary[nn.Module, LayerStore] = weakref.WeakKeyDictionary()
+
+
 def layer_weights(layer: nn.Module) -> _StreamedLayer | _ResidentPackedLayer | None:
     """What gives this decoder layer its weights around each call (None: its own
     resident parameters)."""
-    return getattr(layer, "_minions_weights", None)
+    return _weights.get(layer)
 
 
 def layer_store(model: nn.Module) -> LayerStore | None:
     """The prefetch pipeline of a model loaded by `load_streamed_causal_lm` (None: nothing streams)."""
-    return getattr(model, "_minions_layer_store", None)
+    return _stores.get(model)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -87,6 +89,24 @@ def test_parameters_are_released_between_passes(models, tmp_path):
     for layer in model.model.layers:
         assert all(p.numel() == 0 for p in layer.parameters())
     assert model.model.embed_tokens.weight.numel() > 0
+
+
+def test_streaming_state_lives_beside_the_model_not_on_it(models, tmp_path):
+    """Nothing is set on transformers' objects, and a dropped model takes its layer
+    store (threads, buffers) and its layers' weight bindings with it."""
+    model, _ = load_streamed_causal_lm(models["llama"], tier="disk", layer_tiers=["disk", "device", "ram", "disk"],
+                                       quant="int8", dtype=torch.float32, cache_dir=tmp_path)
+    layers = list(model.model.layers)
+    store = streamed_mod.layer_store(model)
+    assert store is not None and all(streamed_mod.layer_weights(layer) is not None for layer in layers)
+    tree_pass_logits(model, steps=0)
+    ours = {type(store), *(type(streamed_mod.layer_weights(layer)) for layer in layers)}
+    for module in model.modules():
+        assert not any(type(value) in ours for value in vars(module).values())
+    gone = [weakref.ref(obj) for obj in (model, store, *layers, *map(streamed_mod.layer_weights, layers))]
+    del model, layers, store
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)
 
 
 def test_pass_after_an_aborted_pass(models, reference, tmp_path):

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,20 +33,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Sleeping OpenMP workers: spinning ones slow everyone down on a shared 2-core box.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import bench_report as report  # noqa: E402
-from bench_lineup import Lineup  # noqa: E402
-from bench_methods import Method, Run  # noqa: E402
-from bench_prompts import held_out_prompts  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks.choices import resolve_models, resolve_profile, settings  # noqa: E402
+from benchmarks.lineup import Lineup  # noqa: E402
+from benchmarks.prompts import held_out_prompts  # noqa: E402
+from benchmarks.rounds import TEMPERATURE, calibrate, interleaved  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO = REPO / "minions_local" / "demo_models"
-DEMO_MINIONS = ("minion-llama-s", "minion-qwen2-xs", "minion-mistral-m")
-TEMPERATURE = 0.7
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,89 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", default=None, help="'auto' (calibrate 1 and 2), or a fixed count")
     p.add_argument("--no-llama-cpp", action="store_true")
     return p.parse_args(argv)
-
-
-def resolve_models(args: argparse.Namespace) -> tuple[Path, list[Path], list[str]]:
-    notes: list[str] = []
-    if args.tiny or args.standins:
-        from bench_standins import build_standins
-
-        paths = build_standins(Path(tempfile.mkdtemp(prefix="bench-standins-")), tiny=args.tiny)
-        notes.append("STAND-IN random models: speeds are real, acceptance (and so speedups) is not")
-        return paths["target"], [paths[n] for n in DEMO_MINIONS], notes
-    target = args.target or DEMO / "target"
-    minions = args.minion or [DEMO / n for n in DEMO_MINIONS]
-    missing = [p for p in [target, *minions] if not (p / "config.json").is_file()]
-    if missing:
-        sys.exit(f"error: no model at {', '.join(map(str, missing))}. The demo family is made by "
-                 "scripts/train_demo_family.py; until then pass --target/--minion, or --standins.")
-    return target, minions, notes
-
-
-def resolve_profile(profile: str, tier: str) -> str:
-    """'cpu-demo' + disk -> the shipped 'cpu-demo-disk' when it exists (its memory plan
-    streams every layer from disk); otherwise the profile itself with the tier overridden."""
-    from minions_local.profile.loader import find_profile_file
-
-    if tier == "disk" and not profile.endswith(".toml"):
-        try:
-            find_profile_file(f"{profile}-disk")
-            return f"{profile}-disk"
-        except Exception:  # noqa: BLE001 - no such profile: fall back to the override below
-            pass
-    return profile
-
-
-def settings(args: argparse.Namespace) -> dict:
-    if args.tiny:
-        base = dict(prompts=2, prompt_tokens=24, max_new=10, threads="1", fixed=[8], chains=1, assisted=1,
-                    dtypes=["fp32"], gguf=["f32"])
-    elif args.quick:
-        base = dict(prompts=3, prompt_tokens=200, max_new=64, threads="1", fixed=[8, 32, 128], chains=1,
-                    assisted=1, dtypes=["bf16"], gguf=["f16"])
-    else:
-        base = dict(prompts=6, prompt_tokens=200, max_new=128, threads="auto", fixed=[8, 16, 32, 64, 128],
-                    chains=3, assisted=3, dtypes=["fp32", "bf16"], gguf=["f16", "q8_0"])
-    if args.tier == "disk" and not (args.quick or args.tiny):
-        # accelerate reads each offloaded weight from disk on every pass (~2x our
-        # autoregressive pass time): fewer rounds keep the full disk run under 30 minutes.
-        base["prompts"] = 4
-    for key in ("prompts", "prompt_tokens", "max_new", "threads"):
-        if getattr(args, key) is not None:
-            base[key] = getattr(args, key)
-    return base
-
-
-def calibrate(groups: list[list[Method]], ids: list[int], max_new: int, repeats: int = 2) -> list[Method]:
-    """The fastest candidate of each group, on one prompt, candidates interleaved."""
-    best: dict[int, float] = {}
-    for _ in range(repeats):
-        for g, group in enumerate(groups):
-            for c, method in enumerate(group):
-                if len(group) == 1:
-                    continue
-                run = method.run(ids, max_new, 0.0, 0)
-                key = g * 1000 + c
-                best[key] = min(best.get(key, float("inf")), run.seconds / max(len(run.tokens), 1))
-    return [min(enumerate(group), key=lambda ic: best.get(g * 1000 + ic[0], 0.0))[1] for g, group in enumerate(groups)]
-
-
-def interleaved(methods: list[Method], prompts, modes: list[str], max_new: int,
-                log) -> tuple[list[dict[str, Run]], list[str]]:
-    rounds: list[dict[str, Run]] = []
-    round_modes: list[str] = []
-    for i, prompt in enumerate(prompts):
-        for mode in modes:
-            k = len(rounds) % len(methods)
-            order = methods[k:] + methods[:k]  # nobody always runs first (or right after a given neighbour)
-            temperature = 0.0 if mode == "greedy" else TEMPERATURE
-            runs = {m.name: m.run(prompt.ids, max_new, temperature, seed=1000 + i) for m in order}
-            rounds.append(runs)
-            round_modes.append(mode)
-            base = runs[report.BASELINE].tokens_per_second
-            ratios = [f"{n} {r.tokens_per_second / base:.2f}x" for n, r in runs.items() if base and n != report.BASELINE]
-            log(f"round {len(rounds)} ({prompt.source}, {mode}): baseline {base:.1f} tok/s; " + ", ".join(ratios))
-    return rounds, round_modes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,19 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         "modes": modes, "temperature": TEMPERATURE, "methods": report.as_json(summary, methods, best_hf),
         "best_transformers": goals["ram_vs_best_transformers"].get("best_transformers"),
         "best_fixed": goals["adaptive_vs_best_fixed"].get("best_fixed"),
-        "prediction_error": errors, "time_split": splits, "accepted_histogram": _histogram(accepted), "goals": goals,
+        "prediction_error": errors, "time_split": splits, "accepted_histogram": report.histogram(accepted), "goals": goals,
         "notes": lineup.notes, "plot": str(plot), "seconds": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
     }
     print(json.dumps(result))
     return 0
-
-
-def _histogram(values: list[int]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for v in sorted(values):
-        counts[str(v)] = counts.get(str(v), 0) + 1
-    return counts
 
 
 if __name__ == "__main__":

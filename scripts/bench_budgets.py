@@ -17,20 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_prompts import held_out_prompts  # noqa: E402
-
-from minions_local import Engine  # noqa: E402
-from minions_local.engine.from_profile import engine_kwargs_from_profile  # noqa: E402
-from minions_local.speculation.budget import FixedBudget  # noqa: E402
-
-DEMO = Path(__file__).resolve().parent.parent / "minions_local" / "demo_models"
-DEMO_MINIONS = ["minion-llama-s", "minion-qwen2-xs", "minion-mistral-m"]
+from benchmarks.choices import DEMO, DEMO_MINIONS
+from benchmarks.prompts import held_out_prompts
+from minions_local import Engine
+from minions_local.engine.from_profile import engine_kwargs_from_profile
+from minions_local.speculation.budget import FixedBudget
 
 
 def build_engines(profile: str) -> dict[str, Engine]:

@@ -21,15 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from minions_local.core.protocols import GrowBudget  # noqa: E402
-from minions_local.backends.gguf import GGUFMinion  # noqa: E402
-from minions_local.backends.gguf_export import export_gguf  # noqa: E402
-from minions_local.backends.hf import load_causal_lm, resolve_dtype  # noqa: E402
-from minions_local.backends.hf_minion import HFMinion  # noqa: E402
+from minions_local.backends.gguf import GGUFMinion
+from minions_local.backends.gguf_export import export_gguf
+from minions_local.backends.hf import load_causal_lm, resolve_dtype
+from minions_local.backends.hf_minion import HFMinion
+from minions_local.core.protocols import GrowBudget
 
 
 def prompt_ids(src: Path, n: int) -> list[int]:

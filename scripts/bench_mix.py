@@ -22,14 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_prompts import held_out_prompts  # noqa: E402
-
-from minions_local import Engine  # noqa: E402
-from minions_local.engine.from_profile import engine_kwargs_from_profile  # noqa: E402
-
-DEMO = Path(__file__).resolve().parent.parent / "minions_local" / "demo_models"
+from benchmarks.choices import DEMO
+from benchmarks.prompts import held_out_prompts
+from minions_local import Engine
+from minions_local.engine.from_profile import engine_kwargs_from_profile
 
 
 def chat_workload(snippets: list[str]) -> list[list[dict[str, str]]]:

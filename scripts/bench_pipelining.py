@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench_prompts import held_out_prompts  # noqa: E402
-from minions_local import Engine  # noqa: E402
-from minions_local.core.events import TreeSnapshot  # noqa: E402
+from benchmarks.prompts import held_out_prompts
+from minions_local import Engine
+from minions_local.core.events import TreeSnapshot
 
 
 def most_probable_leaf(tree: TreeSnapshot) -> int:

@@ -17,19 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's package
-
-from bench_prompts import held_out_prompts  # noqa: E402
-
-from minions_local.engine import Engine  # noqa: E402
-from minions_local.speculation.budget import FixedBudget  # noqa: E402
-from bench_methods import engine_sharing_target  # noqa: E402
+from benchmarks.methods import engine_sharing_target
+from benchmarks.prompts import held_out_prompts
+from minions_local.engine import Engine
+from minions_local.speculation.budget import FixedBudget
 
 
 def mean_accepted(engine: Engine, prompts, temperature: float, tokens: int, seeded: bool) -> float:

@@ -15,10 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from minions_local.backends.gguf_export import export_gguf  # noqa: E402
-from minions_local.core.errors import MinionsError  # noqa: E402
+from minions_local.backends.gguf_export import export_gguf
+from minions_local.core.errors import MinionsError
 
 
 def main(argv: list[str] | None = None) -> int:

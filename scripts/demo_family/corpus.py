@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path

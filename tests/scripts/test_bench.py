@@ -2,20 +2,16 @@
 are consistent, and the JSON line has what the issue asks for."""
 
 import json
-import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from benchmarks.methods import Run
+from benchmarks.report import goal_checks, prediction_errors, summarize
 
-from bench_methods import Run  # noqa: E402
-from bench_report import goal_checks, prediction_errors, summarize  # noqa: E402
-
-from minions_local.core.events import StepRecord  # noqa: E402
+from minions_local.core.events import StepRecord
 
 
 def test_bench_tiny_end_to_end(tmp_path, capsys):
-    import bench
+    import bench  # sets its environment defaults (offline hub, passive OpenMP) on import
 
     assert bench.main(["--tiny", "--out", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

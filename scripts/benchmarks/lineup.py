@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bench_methods import (EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf,
-                           page_cache_dropper)
+from benchmarks.methods import (EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf,
+                                page_cache_dropper)
 from minions_local import Engine
 from minions_local.speculation.budget import FixedBudget
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
-from bench_methods import Method, Run
+from benchmarks.methods import Method, Run
 
 BASELINE = "autoregressive"
 MODES = ("greedy", "sampled")
@@ -95,6 +95,13 @@ def prediction_errors(runs: list[Run]) -> dict[str, float | None]:
     return {"step": pick(step), "verify": pick(verify), "grow": pick(grow), "steps": len(step),
             "verify_predicted_over_measured": pick(ratios["verify"]),
             "grow_predicted_over_measured": pick(ratios["grow"])}
+
+
+def histogram(values: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in sorted(values):
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
 
 
 def time_split(runs: list[Run]) -> dict[str, float]:

@@ -18,12 +18,7 @@ Prints a table, then ONE JSON line.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import re
-import shutil
-import socket
 import sys
 import time
 import tomllib
@@ -31,22 +26,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from autotuning.output import build_profile, default_out, report
+from autotuning.sweep import MODES, measure_all
 from minions_local.core.errors import MinionsError
-from minions_local.profile import load_profile, measure
-from minions_local.profile.loader import apply_overrides, find_profile_file, generated_dir, shipped_dir
-from minions_local.profile.writer import dumps
-
-MODES = {
-    # disk file, copy size, matmul sizes, seconds per timing, widths, target tokens
-    "tiny": dict(disk=16 << 20, copy=16 << 20, sizes=(128, 256), t=0.02, widths=(1, 4), tokens=(1, 8), models=False),
-    "quick": dict(disk=256 << 20, copy=128 << 20, sizes=(256, 512, 1024), t=0.1, widths=(1, 4, 16),
-                  tokens=(1, 16, 64), models=True),
-    "full": dict(disk=1 << 30, copy=512 << 20, sizes=(256, 512, 1024, 2048), t=0.3, widths=(1, 2, 4, 8, 16, 32),
-                 tokens=(1, 4, 16, 64, 256), models=True),
-}
-MODEL_RAM_SHARE = 0.25  # time models only if their weights fit in this share of RAM
+from minions_local.profile import load_profile
+from minions_local.profile.loader import apply_overrides, find_profile_file, shipped_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,185 +75,6 @@ def parse_args(argv):
     p.add_argument("--disk-path", help="folder to measure and stream from (default: the template's)")
     p.add_argument("--no-models", action="store_true", help="skip minion and target timings")
     return p.parse_args(argv)
-
-
-def default_out(template_name: str) -> Path:
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:32] or "this-machine"
-    return generated_dir() / f"{template_name.removeprefix('generated/')}-{host}.toml"
-
-
-def measure_all(template, mode: dict, args, progress: Progress) -> dict:
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtypes = ["bfloat16", "float32"] + (["float16"] if device == "cuda" else [])
-    disk_path = Path(args.disk_path or template.hardware.disk_path).expanduser()
-    r: dict = {"device": device, "disk_path": str(disk_path), "matmul": [], "grow": [], "target_layer": []}
-    if device == "cuda":
-        r["device_name"] = torch.cuda.get_device_name(0)
-        r["device_total_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
-    else:
-        r["device_name"] = f"CPU ({torch.get_num_threads()} threads)"
-
-    task = progress.add_task("disk, copies, memory", total=4)
-    r["disk"] = measure.disk_read_speeds(disk_path, mode["disk"])
-    progress.advance(task)
-    r["copy"] = measure.copy_speeds(mode["copy"], mode["t"])
-    progress.advance(task)
-    r["weight_read_gbps"] = measure.weight_read_gbps(device, template.target.dtype, mode["copy"], mode["t"])
-    progress.advance(task)
-    # A transformers forward of a tiny model; --tiny keeps the template's figure instead
-    # (importing transformers alone takes seconds on a busy machine).
-    r["layer_overhead_ms"] = (measure.layer_overhead_ms(device, mode["t"]) if mode["models"]
-                              else template.hardware.layer_overhead_ms)
-    progress.advance(task)
-
-    # A GPU reaches its peak only on larger matrices than a CPU does.
-    sizes = [n * 4 for n in mode["sizes"]] if device == "cuda" else mode["sizes"]
-    task = progress.add_task("matmul by size and dtype", total=len(dtypes) * len(sizes))
-    for dtype in dtypes:
-        for n in sizes:
-            r["matmul"].append({"dtype": dtype, "size": n, "tflops": measure.matmul_tflops(device, dtype, n, mode["t"])})
-            progress.advance(task)
-
-    if mode["models"] and not args.no_models:
-        measure_models(template, mode, device, r, progress)
-    return r
-
-
-def measure_models(template, mode, device, r, progress) -> None:
-    models = [(m.name, m.path, m.dtype, "grow", mode["widths"]) for m in template.minions if m.kind == "hf"]
-    models.append(("target", template.target.path, template.target.dtype, "target_layer", mode["tokens"]))
-    r["skipped"] = []
-    for name, path, dtype, kind, sizes in models:
-        reason = _why_not_timed(path)
-        if reason:
-            r["skipped"].append(f"{name}: {reason}")
-            continue
-        task = progress.add_task(f"{name} by {'width' if kind == 'grow' else 'tokens'}", total=len(sizes))
-        model = measure.load_for_timing(path, dtype, device)
-        per = model.config.num_hidden_layers if kind == "target_layer" else 1
-        for n in sizes:
-            seconds = measure.forward_seconds(model, n, prefix=128, min_seconds=mode["t"])
-            r[kind].append({"model": name, "tokens": n, "seconds": seconds / per})
-            progress.advance(task)
-        del model
-
-
-def _why_not_timed(path: str | None) -> str | None:
-    if not path or not (Path(path) / "config.json").is_file():
-        return "not on this machine"
-    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if size == 0:
-        return "no safetensors weights"
-    if size > MODEL_RAM_SHARE * ram:
-        return f"{size / 1e9:.0f} GB of weights: too large to time here (the layer store's bench does)"
-    return None
-
-
-def build_profile(raw: dict, template, r: dict, out: Path, mode: str) -> str:
-    """The template's models and limits with this machine's measured hardware."""
-    hw = template.hardware
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    free_gb = shutil.disk_usage(r["disk_path"]).free / 1e9
-    disk = r["disk"]
-    tflops: dict[str, float] = {}
-    for s in r["matmul"]:
-        tflops[s["dtype"]] = round(max(tflops.get(s["dtype"], 0.0), s["tflops"]), 4)
-    cuda = r["device"] == "cuda"
-    hardware = {
-        "device": r["device"],
-        "device_name": r["device_name"],
-        "device_memory_gb": round(0.92 * r["device_total_gb"], 1) if cuda else min(hw.device_memory_gb, round(0.5 * ram_gb, 1)),
-        "device_reserve_gb": 1.0 if cuda else 0.0,
-        "device_memory_gbps": r["weight_read_gbps"],
-        "host_ram_gb": min(hw.host_ram_gb, round(0.6 * ram_gb if cuda else 0.25 * ram_gb, 1)),
-        "disk_path": r["disk_path"],
-        "disk_budget_gb": min(hw.disk_budget_gb, round(0.8 * free_gb, 1)),
-        "disk_read_gbps": disk["direct"] or disk["fadvise"],
-        "host_to_device_gbps": r["copy"]["pinned"] or r["copy"]["memcpy"],
-        "host_to_device_pageable_gbps": r["copy"]["pageable"],
-        "compute_tflops": tflops,
-        "layer_overhead_ms": r["layer_overhead_ms"],
-    }
-    data = {
-        "description": f"{template.description} (measured)" if template.description else "measured",
-        "hardware": hardware,
-    }
-    data.update((k, v) for k, v in raw.items() if k not in ("name", "description", "hardware", "measurements"))
-    data["measurements"] = {
-        "tool": f"scripts/autotune.py --{mode}",
-        "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "disk_read_cached_gbps": disk["cached"],
-        "matmul": r["matmul"],
-        "grow": r["grow"],
-        "target_layer": r["target_layer"],
-    }
-    header = (f"Generated by scripts/autotune.py --{mode} on {socket.gethostname()} from template "
-              f"'{template.name}'.\nRe-run autotune rather than editing; copy it out of generated/ to keep it.")
-    return dumps(_relative_paths(data, out), header)
-
-
-def _relative_paths(data: dict, out: Path) -> dict:
-    """Plain relative model paths in the template were relative to it: make them absolute."""
-    def fix(section: dict) -> dict:
-        path = section.get("path")
-        if path and ":" not in path and not path.startswith(("/", "~")):
-            section = {**section, "path": str((shipped_dir() / path).resolve())}
-        return section
-    data["target"] = fix(dict(data["target"]))
-    data["minions"] = [fix(dict(m)) for m in data.get("minions", [])]
-    return data
-
-
-def report(r: dict, out: Path, seconds: float, mode: str) -> dict:
-    disk, copy = r["disk"], r["copy"]
-    best = {}
-    for s in r["matmul"]:
-        best[s["dtype"]] = max(best.get(s["dtype"], 0.0), s["tflops"])
-    table = Table(title=f"autotune --{mode}: {r['device_name']}")
-    table.add_column("measurement")
-    table.add_column("value", justify="right")
-    rows = [
-        ("disk read, O_DIRECT", _fmt(disk["direct"], "GB/s")),
-        ("disk read, after fadvise(DONTNEED)", _fmt(disk["fadvise"], "GB/s")),
-        ("disk read, page cache", _fmt(disk["cached"], "GB/s")),
-        ("host->device pinned", _fmt(copy["pinned"], "GB/s")),
-        ("host->device pageable", _fmt(copy["pageable"], "GB/s")),
-        ("memcpy", _fmt(copy["memcpy"], "GB/s")),
-        ("weight read (1-token matmul)", _fmt(r["weight_read_gbps"], "GB/s")),
-        ("layer overhead", _fmt(r["layer_overhead_ms"], "ms")),
-    ]
-    rows += [(f"matmul {d} (best size)", _fmt(v, "TFLOP/s")) for d, v in best.items()]
-    rows += [(f"{s['model']} forward, width {s['tokens']}", _fmt(s["seconds"] * 1e3, "ms")) for s in r["grow"]]
-    rows += [(f"target layer, {s['tokens']} tokens", _fmt(s["seconds"] * 1e3, "ms")) for s in r["target_layer"]]
-    rows += [("skipped", s) for s in r.get("skipped", [])]
-    for row in rows:
-        table.add_row(*row)
-    table.add_row("profile written", str(out))
-    Console().print(table)
-    return {
-        "profile": str(out),
-        "mode": mode,
-        "device": r["device"],
-        "disk_read_direct_gbps": disk["direct"],
-        "disk_read_fadvise_gbps": disk["fadvise"],
-        "disk_read_cached_gbps": disk["cached"],
-        "host_to_device_pinned_gbps": copy["pinned"],
-        "host_to_device_pageable_gbps": copy["pageable"],
-        "memcpy_gbps": copy["memcpy"],
-        "weight_read_gbps": r["weight_read_gbps"],
-        "layer_overhead_ms": r["layer_overhead_ms"],
-        "compute_tflops": best,
-        "grow_samples": len(r["grow"]),
-        "target_layer_samples": len(r["target_layer"]),
-        "seconds": round(seconds, 1),
-    }
-
-
-def _fmt(value, unit: str) -> str:
-    return "-" if value is None else f"{value:.3g} {unit}"
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from autotuning.measure import disk_read_speeds
 
-from minions_local.profile.cost_prior import budget_from_profile, cost_model_from_profile
+from minions_local.profile.cost_prior import cost_model_from_profile
 from minions_local.offload.plan import plan_memory
 from minions_local.profile import load_profile
-from minions_local.profile.measure import disk_read_speeds
 from minions_local.profile.writer import dumps
-from minions_local.speculation.cost import CostModel
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "autotune.py"
 
@@ -88,7 +87,7 @@ needs_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_copies_memory_and_matmuls():
-    from minions_local.profile.measure import copy_speeds, matmul_tflops, weight_read_gbps
+    from autotuning.measure import copy_speeds, matmul_tflops, weight_read_gbps
 
     speeds = copy_speeds(256 << 20, 0.2)
     assert speeds["pinned"] > 2 and speeds["pageable"] > 0.5

@@ -1,8 +1,9 @@
 """Measuring this machine for a profile: disk, copies, memory, matmuls, model passes.
 
-Each function measures one thing and returns plain numbers; scripts/autotune.py runs
-them, shows progress and writes the profile. torch and transformers are imported
-inside the functions that need them, so the profile package stays light.
+Each function measures one thing and returns plain numbers; `sweep` runs them with
+progress, `output` writes the profile. torch and transformers are imported inside
+the functions that need them: the disk probe needs neither, and importing
+transformers alone takes seconds on a busy machine.
 
 Timings repeat until `min_seconds` have passed and keep the fastest repetition: on a
 shared machine the fastest run is the one least disturbed by others.
@@ -166,7 +167,6 @@ def matmul_tflops(device: str, dtype_name: str, n: int, min_seconds: float) -> f
 
 def layer_overhead_ms(device: str, min_seconds: float) -> float:
     """Per-layer cost of a transformers forward whose flops are negligible (a tiny model)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers = 8

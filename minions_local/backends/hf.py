@@ -17,22 +17,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import tree_attention_mask
 from minions_local.core.protocols import common_prefix_len
+from minions_local.offload.dtypes import compute_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+    """A compute dtype from a dtype or a name (ValueError if unknown); None stays None."""
+    return None if dtype is None else compute_dtype(dtype)
 
 
 def check_model_folder(path: str | Path, role: str) -> Path:

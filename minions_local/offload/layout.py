@@ -18,30 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from minions_local.offload.dtypes import dtype_from_name, dtype_name
 from minions_local.offload.quant import int4_group_size, quantizable, stored_pieces
 
 PIECE_ALIGN = 64
 BLOCK = 4096
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r} in a layer pack") from None
-
 
 def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align

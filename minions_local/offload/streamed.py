@@ -32,7 +32,8 @@ from minions_local.core.events import LoadProgress
 from minions_local.offload.checkpoint import Checkpoint, folder_key
 from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
-from minions_local.offload.layout import LayerLayout, aligned_empty, dtype_from_name, pack_layer, plan_layout, round_up
+from minions_local.offload.dtypes import compute_dtype
+from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, plan_layout, round_up
 from minions_local.offload.quant import QUANT_MODES, dequantize
 from minions_local.offload.skeleton import decoder_layers, load_resident_parts, skeleton_model
 
@@ -156,9 +157,6 @@ def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[R
     return store
 
 
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-
-
 def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
     """A torch dtype from a dtype, a name, or None (the checkpoint's own dtype)."""
     if isinstance(dtype, torch.dtype):
@@ -173,11 +171,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
         if isinstance(stored, str):
             stored = getattr(torch, stored, None)
         return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
-    name = str(dtype).lower().removeprefix("torch.")
     try:
-        return dtype_from_name(_DTYPE_ALIASES.get(name, name))
-    except ValueError:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.") from None
+        return compute_dtype(dtype)
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs: dict, ckpt: Checkpoint,

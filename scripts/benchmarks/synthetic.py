@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from minions_local.offload.dtypes import dtype_from_name
 from minions_local.offload.layer_store import RamSource, StreamStats
-from minions_local.offload.layout import LayerLayout, aligned_empty, dtype_from_name, plan_layout
+from minions_local.offload.layout import LayerLayout, aligned_empty, plan_layout
 from minions_local.offload.skeleton import rebuild_meta_buffers
 from minions_local.offload.streamed import DequantScratch, install_streaming
 

@@ -1,4 +1,4 @@
-"""What every layer speaks: errors, events and step records, the token tree and its
+"""What every layer speaks: errors, events and step records, memory tiers, the token tree and its
 masks, sampling settings, and the `Target` and `Minion` protocols.
 
 No model code and no I/O lives here; nothing here imports another layer.

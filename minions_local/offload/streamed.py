@@ -29,6 +29,7 @@ from torch import nn
 
 from minions_local.core.errors import MemoryPlanError, ModelLoadError
 from minions_local.core.events import LoadProgress
+from minions_local.core.tiers import TIERS
 from minions_local.offload.checkpoint import Checkpoint, folder_key
 from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
@@ -39,7 +40,6 @@ from minions_local.offload.skeleton import decoder_layers, load_resident_parts, 
 
 log = logging.getLogger(__name__)
 
-TIERS = ("device", "ram", "disk")
 RAM_MARGIN = 1 << 30
 """RAM left free for KV caches, activations and the rest of the system."""
 

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from minions_local.core.errors import MinionsError
+from minions_local.core.tiers import TIERS
 from minions_local.profile import Profile, available_profiles, load_profile
 from minions_local.profile.report import plan_report
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", metavar="PROFILE", help="print the memory plan and predicted tokens/s")
     parser.add_argument("--target", help="use this target model instead of the profile's")
     parser.add_argument("--minion", action="append", help="use this minion (repeat; 'ngram' for n-gram)")
-    parser.add_argument("--tier", choices=["device", "ram", "disk"], help="override target.tier")
+    parser.add_argument("--tier", choices=TIERS, help="override target.tier")
     parser.add_argument("--schema", action="store_true", help="print every profile field (markdown)")
     args = parser.parse_args(argv)
     try:

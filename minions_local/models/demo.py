@@ -14,7 +14,7 @@ from pathlib import Path
 
 from minions_local.core.errors import ModelLoadError
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"  # minions_local/demo_models
 RESTORE = ("Restore it by reinstalling minions-local (pip install --force-reinstall minions-local, or "
            "`git checkout -- minions_local/demo_models` in a clone), or re-create the family with "
            "`python scripts/train_demo_family.py --seed 0`.")

@@ -50,3 +50,10 @@ def test_missing_file_and_manifest(fake_demo):
     demo.verify_member.cache_clear()
     with pytest.raises(ModelLoadError, match="demo model family is missing"):
         check_model_folder(fake_demo / "target", "target")
+
+
+def test_checks_look_where_the_family_ships():
+    from minions_local.profile.loader import demo_models_dir
+
+    assert demo.DEMO_DIR == demo_models_dir().resolve()
+    assert demo.is_demo_path(demo_models_dir() / "target")

@@ -81,6 +81,8 @@ class GGUFMinion:
             150k vocabulary are 150 MB, so lower it for large vocabularies.
     """
 
+    depth_is_free = False  # a deeper tree takes more llama_decode passes
+
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
                  n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
                  n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1) -> None:

@@ -29,6 +29,8 @@ class CompactMinion(CompactModel):
 
 
 class HFMinion:
+    depth_is_free = False  # a deeper tree takes more forward passes
+
     def __init__(self, model, name: str, compact: bool = True, release_weights: bool = False) -> None:
         """release_weights: with the compact forward, drop the transformers modules'
         copies of the fused weights (the loader owns the model, so it may)."""

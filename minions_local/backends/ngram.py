@@ -197,6 +197,10 @@ class NGramMinion:
             raise ModelLoadError(f"n-gram corpus {corpus_path} does not exist: check the path in {spec!r}.")
         return cls.from_text_file(corpus_path, encode, **kwargs)
 
+    def prefill(self, context: list[int]) -> None:
+        # The index follows the context given to grow(), which indexes a new prompt then.
+        pass
+
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or not context:

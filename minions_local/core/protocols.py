@@ -1,4 +1,4 @@
-"""The two narrow interfaces the decode loop talks to.
+"""The two narrow interfaces the decode loop talks to, and what they exchange.
 
 A *minion* proposes a candidate tree below the last committed token; a *target*
 scores a packed tree in one pass and keeps the accepted path in its KV cache. HF,
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from minions_local.core.sampling import SamplingParams
+    from minions_local.core.tree import TokenTree
 
 
 @dataclass(slots=True)
@@ -100,6 +101,16 @@ class Minion(Protocol):
 
     name: str
     vocab_size: int
+    """Token ids it can propose (0: any id; the n-gram minion proposes ids it has seen)."""
+    depth_is_free: bool
+    """True for a minion whose grow time does not grow with depth (the n-gram minion):
+    it then grows to the step's depth cap, not the depth the cost model chose."""
+
+    def prefill(self, context: list[int]) -> None:
+        """Catch up on a new prompt before the first step, reusing what is cached, so
+        that its per-step grow time (which decides whether it runs) is not charged for
+        it. A minion with nothing to read ahead does nothing."""
+        ...
 
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         """Propose a tree below context[-1]. Reuses its cache for the longest common
@@ -116,8 +127,38 @@ class Minion(Protocol):
         """Forget all cached state."""
         ...
 
-    # Optional: `depth_is_free = True` on a minion whose grow time does not grow with
-    # depth (the n-gram minion); it then grows to the step's depth cap.
+
+@runtime_checkable
+class Target(Protocol):
+    """The large model whose output is the output: it scores a whole voted tree in one
+    pass and keeps the accepted path in its cache. Its cache holds every committed
+    token but the last (the root), which runs with the tree."""
+
+    vocab_size: int
+    """Rows of its embedding: a draft token at or above it cannot be verified."""
+    device: torch.device
+    """Where its passes compute (on a CPU with a core to spare, the minions read a
+    prompt on that core while the target does)."""
+
+    def prefill(self, context: list[int]) -> None:
+        """Bring the cache to context[:-1], reusing the longest cached prefix."""
+        ...
+
+    def verify(self, context: list[int], tree: TokenTree) -> torch.Tensor:
+        """Logits [T, V] after each tree node (row 0: after the root, context[-1])."""
+        ...
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        """Keep the prefix and the accepted path (node ids, root first); drop the rest."""
+        ...
+
+    def reset(self) -> None:
+        """Forget all cached state."""
+        ...
+
+    def bytes_streamed(self) -> int:
+        """Cumulative weight bytes moved into compute memory so far (0 when resident)."""
+        ...
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -128,10 +169,3 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
         i += 1
     return i
 
-
-def prefill(minion: Minion, context: list[int]) -> None:
-    """Let a minion catch up on a new prompt before the first step, if it can, so
-    that its per-step grow time (which decides whether it runs) is not charged for it."""
-    catch_up = getattr(minion, "prefill", None)
-    if catch_up is not None:
-        catch_up(context)

@@ -14,9 +14,9 @@ from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from minions_local.core.events import LoadProgress
+from minions_local.core.tiers import TIERS
 from minions_local.engine.text import load_tokenizer
 
-TIERS = ("device", "ram", "disk")
 Progress = Callable[[LoadProgress], None]
 
 

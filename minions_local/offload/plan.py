@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minions_local.core.errors import MemoryPlanError
+from minions_local.core.tiers import TIERS
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
 from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
-TIERS = ("device", "ram", "disk")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-Tier = Literal["device", "ram", "disk"]
+from minions_local.core.tiers import Tier
+
 DType = Literal["float32", "bfloat16", "float16"]
 TargetQuantization = Literal["none", "int8", "int4"]
 MinionQuantization = Literal["none", "nf4", "int8"]

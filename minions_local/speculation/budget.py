@@ -31,6 +31,11 @@ class StepBudget:
     grow_models: tuple = ()
     """Per minion, its grow-time model: `.name`, and `(nodes, depth, width) -> seconds`."""
 
+    @property
+    def free_depth(self) -> int:
+        """How deep a minion whose depth is free grows, and how deep the vote keeps nodes."""
+        return max(self.depth, self.depth_cap)
+
     def predicted_grow_for(self, nodes_by_minion: Mapping[str, int]) -> float | None:
         """The grow time predicted for the minions that did run, each with the nodes
         it was given (the selector decides who runs during the step; when sampling,

@@ -1,8 +1,13 @@
-"""One speculative step: grow -> vote -> budget -> verify -> accept -> commit.
+"""One speculative step: budget -> grow -> vote -> verify -> accept -> commit.
+
+The budget comes first because it bounds the growing: how many nodes and how deep
+each minion may grow. The vote merges the minions' proposals into the one tree the
+target verifies in a single pass.
 
 The decoder knows nothing about text: it moves token ids and returns a stats record
 per target pass. With no minions (or a zero budget) the tree is the root alone and
-a step is exactly one autoregressive target step, through the same code.
+a step is exactly one autoregressive target step, through the same code. It speaks
+to the models only through the `Target` and `Minion` protocols.
 
 Greedy steps take the top-N of the merged tree. Sampled steps let the minions draw
 their proposals (each within its own share of the budget, see vote.py) with a draft
@@ -15,18 +20,20 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import Sequence, TypeVar
 
 import torch
 
-from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, prefill
-from minions_local.backends.hf_target import HFTarget
 from minions_local.core.events import StepRecord, TreeSnapshot
+from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, Target
 from minions_local.core.sampling import SamplingParams
+from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
-from minions_local.core.tree import TokenTree
 from minions_local.speculation.selection import MinionSelector, minion_estimate
 from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,8 +45,31 @@ class StepResult:
     path: list[int] = field(repr=False)
 
 
+@dataclass
+class Growth:
+    """What the minions did in one step; each list has one entry per minion, in the
+    decoder's order."""
+
+    proposals: list[CandidateTree | None]
+    """Each minion's proposal; None: it did not grow this step."""
+    seconds: list[float]
+    """Each minion's grow() time (0.0 when it did not grow)."""
+    allowed: list[int]
+    """The draft nodes each minion was allowed (its share, when sampling)."""
+    run_order: list[int] = field(default_factory=list)
+    """The minions that grew, in the order they grew in."""
+
+    @classmethod
+    def none(cls, minions: int) -> Growth:
+        return cls([None] * minions, [0.0] * minions, [0] * minions)
+
+    @property
+    def ran(self) -> list[bool]:
+        return [p is not None for p in self.proposals]
+
+
 class Decoder:
-    def __init__(self, target: HFTarget, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
+    def __init__(self, target: Target, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
                  keep_trees: bool = True, selection: str = "learned") -> None:
         self.target = target
         self.minions = minions
@@ -50,7 +80,6 @@ class Decoder:
         self.selectors: dict[str, MinionSelector] = {}
         """One per regime: which minion pays differs between greedy and sampled decoding
         (the n-gram minion's exact repeats, say, are worth less against sampling)."""
-        self.selector = self._selector("greedy")
 
     def prefill(self, context: list[int]) -> None:
         """Bring every model's cache up to the prompt (reusing what each already has).
@@ -61,7 +90,7 @@ class Decoder:
         if not self.minions or not _spare_core(self.target):
             self.target.prefill(context)
             for m in self.minions:
-                prefill(m, context)
+                m.prefill(context)
             return
         threads = torch.get_num_threads()
 
@@ -70,7 +99,7 @@ class Decoder:
             # per core and oversubscribe the CPU (measured: 0.59x instead of 1.35x).
             torch.set_num_threads(threads)
             for m in self.minions:
-                prefill(m, context)
+                m.prefill(context)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minion-prefill") as pool:
             minions = pool.submit(minions_read)
@@ -80,7 +109,8 @@ class Decoder:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
 
-    def _selector(self, regime: str) -> MinionSelector:
+    def selector(self, regime: str) -> MinionSelector:
+        """The selector that learns which minions pay in `regime` (budget.REGIMES)."""
         if regime not in self.selectors:
             self.selectors[regime] = MinionSelector.for_mode([m.name for m in self.minions], self.selection)
         return self.selectors[regime]
@@ -104,10 +134,11 @@ class Decoder:
         regime = "greedy" if params.greedy else "seeded" if reproducible else "sampled"
         budget = self.policy.choose(remaining, regime=regime) if self.minions else StepBudget(0, 0, 1)
         t_policy = time.perf_counter() - t0
-        self.selector = self._selector(regime)
-        weights = self.selector.weights()
-        tree, ran, grow_seconds, allowed = self._grow(context, budget, weights,
-                                                      None if regime != "sampled" else params, generator)
+        selector = self.selector(regime)
+        weights = selector.weights()
+        draws = params if regime == "sampled" else None
+        growth = self._grow(context, budget, selector, weights, draws, generator)
+        tree = self._vote(context[-1], growth, weights, budget, sampled=draws is not None)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         logits = self.target.verify(context, tree)
@@ -118,75 +149,84 @@ class Decoder:
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         for m in self.minions:
             m.commit(tokens)
-        contributed = self.selector.observe(tree, path, ran, grow_seconds, t2 - t0, len(tokens))
-        grown = {m.name: n for m, n, r in zip(self.minions, allowed, ran) if r}
+        contributed = selector.observe(tree, path, growth.ran, growth.seconds, t2 - t0, len(tokens))
+        grown = self._of_those_that_ran(growth, growth.allowed)
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
             bytes_streamed=self.target.bytes_streamed() - streamed_before, depth=tree.depth,
             new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
-            minion_weights={m.name: w for m, w, r in zip(self.minions, weights, ran) if r},
-            minion_t_grow={m.name: t for m, t, r in zip(self.minions, grow_seconds, ran) if r},
-            predicted_t_verify=budget.predicted_t_verify,
-            minion_nodes=grown,
-            predicted_t_grow=budget.predicted_grow_for(grown),
-            regime=regime, t_policy=t_policy, rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1),
+            minion_weights=self._of_those_that_ran(growth, weights),
+            minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
+            predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
+            predicted_t_grow=budget.predicted_grow_for(grown), regime=regime, t_policy=t_policy,
+            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1),
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
-    def _grow(self, context: list[int], budget: StepBudget, weights: list[float], draws: SamplingParams | None,
-              generator: torch.Generator | None) -> tuple[TokenTree, list[bool], list[float], list[int]]:
-        """The voted tree; which minions ran, their seconds and the nodes each was allowed.
+    def _grow(self, context: list[int], budget: StepBudget, selector: MinionSelector, weights: list[float],
+              draws: SamplingParams | None, generator: torch.Generator | None) -> Growth:
+        """Every minion the selector picks grows its proposal within its budget, cheapest
+        first; one is skipped when the proposals so far already expect more accepted
+        tokens than it usually adds.
 
         draws: the sampling settings the minions draw their drafts with (None: each
         proposes its most probable tokens)."""
-        n = len(self.minions)
+        growth = Growth.none(len(self.minions))
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
-            return TokenTree.from_root(context[-1]), [False] * n, [0.0] * n, [0] * n
-        ran = self.selector.choose()
-        deepest = max(budget.depth, budget.depth_cap)
-        if draws is None:
-            shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
-            budgets = [shared] * n
-        else:
-            budgets = self._sampled_budgets(budget, weights, ran, draws, generator)
-        # A minion that pays nothing per level (n-gram) follows a long repeat as far as
-        # the step allows: the depth budget is there to bound the model minions' passes.
-        budgets = [replace(b, max_depth=deepest) if getattr(m, "depth_is_free", False) else b
-                   for b, m in zip(budgets, self.minions)]
-        proposals: list[CandidateTree | None] = [None] * n
-        seconds = [0.0] * n
+            return growth
+        chosen = selector.choose()
+        budgets = self._grow_budgets(budget, weights, chosen, draws, generator)
+        growth.allowed = [b.max_nodes for b in budgets]
         expected = 0.0
-        run_order: list[int] = []
-        for m in self.selector.order():
-            if not ran[m] or not self.selector.still_needed(m, expected):
-                ran[m] = False
+        for m in selector.order():
+            if not chosen[m] or not selector.still_needed(m, expected):
                 continue
             start = time.perf_counter()
-            proposals[m] = self.minions[m].grow(context, budgets[m])
-            seconds[m] = time.perf_counter() - start
-            run_order.append(m)
-            expected = max(expected, minion_estimate(proposals[m]))
-        allowed = [b.max_nodes for b in budgets]
-        if draws is None:
-            merged = merge_greedy(context[-1], proposals, weights, self.target.vocab_size)
-            return merged.select(budget.nodes, deepest), ran, seconds, allowed
-        # Each minion grew only its share: no selection after merging (vote.py says why).
-        merged = merge_sampled(context[-1], proposals, weights, self.target.vocab_size, run_order)
-        return merged, ran, seconds, allowed
+            proposal = self.minions[m].grow(context, budgets[m])
+            growth.seconds[m] = time.perf_counter() - start
+            growth.proposals[m] = proposal
+            growth.run_order.append(m)
+            expected = max(expected, minion_estimate(proposal))
+        return growth
 
-    def _sampled_budgets(self, budget: StepBudget, weights: list[float], ran: list[bool], params: SamplingParams,
-                         generator: torch.Generator | None) -> list[GrowBudget]:
-        """Per minion: its share of the nodes, the sampling settings and the draft generator."""
-        shares = source_shares(weights, ran, budget.nodes, budget.depth, self.top_k)
-        # The drafts' own stream, seeded from the request's so a seeded run repeats.
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        drafts = torch.Generator().manual_seed(seed)
-        return [GrowBudget(max_nodes=share, max_depth=budget.depth, width=width_for(share, budget.depth),
-                           top_k=self.top_k, sampling=params, generator=drafts,
-                           vocab_limit=self.target.vocab_size)
-                for share in shares]
+    def _vote(self, root: int, growth: Growth, weights: list[float], budget: StepBudget, *,
+              sampled: bool) -> TokenTree:
+        """The tree the target verifies: greedy steps keep the best `budget.nodes` nodes
+        of the merged vote; sampled steps keep it whole (each minion grew only its
+        share: vote.py says why)."""
+        if not growth.run_order:
+            return TokenTree.from_root(root)
+        if sampled:
+            return merge_sampled(root, growth.proposals, weights, self.target.vocab_size, growth.run_order)
+        merged = merge_greedy(root, growth.proposals, weights, self.target.vocab_size)
+        return merged.select(budget.nodes, budget.free_depth)
+
+    def _grow_budgets(self, budget: StepBudget, weights: list[float], chosen: list[bool],
+                      draws: SamplingParams | None, generator: torch.Generator | None) -> list[GrowBudget]:
+        """Per minion: the step's tree shape (greedy), or its own share of the nodes with
+        the sampling settings and the draft generator (sampled)."""
+        if draws is None:
+            shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
+            budgets = [shared] * len(self.minions)
+        else:
+            shares = source_shares(weights, chosen, budget.nodes, budget.depth, self.top_k)
+            # The drafts' own stream, seeded from the request's so a seeded run repeats.
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            drafts = torch.Generator().manual_seed(seed)
+            budgets = [GrowBudget(max_nodes=share, max_depth=budget.depth, width=width_for(share, budget.depth),
+                                  top_k=self.top_k, sampling=draws, generator=drafts,
+                                  vocab_limit=self.target.vocab_size)
+                       for share in shares]
+        # A minion that pays nothing per level (n-gram) follows a long repeat as far as
+        # the step allows: the depth budget is there to bound the model minions' passes.
+        return [replace(b, max_depth=budget.free_depth) if m.depth_is_free else b
+                for b, m in zip(budgets, self.minions)]
+
+    def _of_those_that_ran(self, growth: Growth, values: Sequence[T]) -> dict[str, T]:
+        """Per-minion values as {name: value}, for the minions that grew this step."""
+        return {m.name: v for m, v, p in zip(self.minions, values, growth.proposals) if p is not None}
 
 
 def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[tuple[int, int, int]]:
@@ -203,10 +243,9 @@ def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[
     return trials
 
 
-def _spare_core(target: HFTarget) -> bool:
+def _spare_core(target: Target) -> bool:
     """Whether a second thread of torch work would get a core of its own."""
-    return getattr(target, "device", None) is not None and target.device.type == "cpu" and \
-        (os.cpu_count() or 1) >= 2 * torch.get_num_threads()
+    return target.device.type == "cpu" and (os.cpu_count() or 1) >= 2 * torch.get_num_threads()
 
 
 def snapshot(result: StepResult, names: list[str], decode_token) -> TreeSnapshot:

@@ -108,6 +108,22 @@ def test_budgets():
     assert policy.depth == 5
 
 
+def test_backends_declare_what_the_decode_step_calls(families):
+    """The decode step calls every protocol member without looking first: each backend
+    declares them all (a minion with nothing to read ahead has a no-op prefill)."""
+    from minions_local.backends.hf_minion import HFMinion
+    from minions_local.backends.hf_target import HFTarget
+    from minions_local.backends.ngram import NGramMinion
+    from minions_local.core.protocols import Minion, Target
+
+    model = AutoModelForCausalLM.from_pretrained(families["llama"]["close"]).eval()
+    assert isinstance(HFTarget(model), Target)
+    hf, ngram = HFMinion(model, "close"), NGramMinion()
+    assert isinstance(hf, Minion) and isinstance(ngram, Minion)
+    assert not hf.depth_is_free and ngram.depth_is_free
+    ngram.prefill([1, 2, 3])  # nothing to read ahead, and nothing breaks
+
+
 def test_cache_keep_entries_matches_fresh_run(families):
     """Keeping the prefix + an accepted path equals running that sequence from scratch."""
     model = AutoModelForCausalLM.from_pretrained(families["llama"]["target"]).eval()
@@ -175,6 +191,8 @@ def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
     nothing per level and follows a long repeat as far as the step allows."""
     import torch
 
+    from minions_local.core import protocols
+    from minions_local.core.protocols import Minion
     from minions_local.speculation.budget import StepBudget
     from minions_local.speculation.decode import Decoder
 
@@ -190,6 +208,9 @@ def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
 
         def __init__(self, name, free):
             self.name, self.depth_is_free, self.seen = name, free, []
+
+        def prefill(self, context):
+            pass
 
         def grow(self, context, budget):
             self.seen.append(budget.max_depth)
@@ -208,6 +229,12 @@ def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
     class Target:
         device, vocab_size = torch.device("cpu"), 50
 
+        def prefill(self, context):
+            pass
+
+        def reset(self):
+            pass
+
         def bytes_streamed(self):
             return 0
 
@@ -221,6 +248,7 @@ def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
             pass
 
     model, ngram = Recorder("model", False), Recorder("ngram", True)
+    assert isinstance(model, Minion) and isinstance(Target(), protocols.Target)
     decoder = Decoder(Target(), [model, ngram], Policy(), selection="all")
     result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
     assert model.seen == [2] and ngram.seen == [8]

@@ -11,15 +11,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from benchmarks.methods import (EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf,
                                 page_cache_dropper)
 from minions_local import Engine
+from minions_local.offload.dtypes import compute_dtype
 from minions_local.speculation.budget import FixedBudget
 
 HF_OFFLOAD_DIR = Path("~/.cache/minions-local/bench-hf-offload").expanduser()
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -80,7 +78,7 @@ class Lineup:
         plain: list[Method] = []
         assisted: dict[Path, list[Method]] = {p: [] for p in self.assisted_minions}
         for name in self.hf_dtypes:
-            dtype = DTYPES[name]
+            dtype = compute_dtype(name)
             offload = HF_OFFLOAD_DIR / f"{self.target.name}-{name}" if self.tier == "disk" else None
             model = load_hf(self.target, dtype, offload_folder=offload)
             drop = page_cache_dropper(offload, self.target) if offload else None

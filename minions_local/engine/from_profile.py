@@ -54,8 +54,9 @@ def minion_spec(minion, device: str) -> Any:
 
     if minion.kind == "ngram":
         return "ngram"
+    kind = minion.kind if minion.kind in ("substitute", "self_draft") else "auto"
     return MinionSpec(path=str(minion.path), name=minion.name, quantization=minion.quantization,
-                      device=minion.device or device, dtype=minion.dtype)
+                      device=minion.device or device, dtype=minion.dtype, kind=kind, layers=minion.layers)
 
 
 def engine_tier(plan: MemoryPlan) -> str:

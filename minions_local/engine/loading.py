@@ -30,6 +30,11 @@ class MinionSpec:
     """'none', or bitsandbytes 'nf4' / 'int8' (pays off on CUDA; works, slowly, on CPU)."""
     device: str | None = None
     dtype: str | None = None
+    kind: str = "auto"
+    """'auto' (by path: a .gguf file, 'ngram', or an HF folder), or one made from the
+    target's weights: 'substitute' (re-quantized to `quantization` by llama.cpp) or
+    'self_draft' (its first `layers` layers)."""
+    layers: int | None = None
 
 
 def _folder_bytes(path: Path) -> int:
@@ -41,7 +46,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
     """The target wrapped for tree verification, resident or streamed; and its tokenizer."""
     if tier not in TIERS:
         raise ValueError(f"target_tier must be one of {TIERS}, got {tier!r}")
-    path = check_model_folder(path, "target")
+    path = check_model_folder(prepare_builtin(path, progress), "target")
     load_config(path, "target")
     total = _folder_bytes(path)
     # On a CPU the compute device IS host RAM: the 'ram' tier is the resident model.
@@ -82,9 +87,38 @@ def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, t
     return minion
 
 
+def prepare_builtin(path: str | Path, progress: Progress | None) -> Path:
+    """A built-in model's folder, converted on first use (checked against its manifest)."""
+    from minions_local.models.builtin import SMOLLM2, builtin_name
+
+    if builtin_name(path) == SMOLLM2:
+        from minions_local.models.smollm2 import ensure_folder
+
+        return ensure_folder(progress)
+    return Path(path).expanduser()
+
+
 def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
                  dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
     text = spec.path
+    if spec.kind == "substitute":
+        minion = _load_substitute(spec, progress)
+        check_vocabulary(target_path, target_tokenizer, target_vocab, minion.path, None, minion.vocab_size)
+        return minion
+    if spec.kind == "self_draft":
+        from minions_local.backends.self_draft import load_self_draft
+
+        if spec.layers is None:
+            raise ModelLoadError(f"The self-draft minion {index} needs 'layers' (how many of the target's first "
+                                 f"layers it runs).")
+        folder = prepare_builtin(text, progress)
+        name = spec.name or f"self-draft-{spec.layers}"
+        if progress:
+            progress(LoadProgress(name, "device", 0, 1, f"loading the target's first {spec.layers} layers"))
+        minion = load_self_draft(folder, spec.layers, dtype=dtype, device=device, name=name)
+        if progress:
+            progress(LoadProgress(name, "device", 1, 1, "ready"))
+        return minion
     if text == "ngram" or text.startswith("ngram:"):
         from minions_local.backends.ngram import NGramMinion
 
@@ -98,7 +132,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
         minion = GGUFMinion.from_path(Path(text).expanduser())
         check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
         return minion
-    path = check_model_folder(text, f"minion {index}")
+    path = check_model_folder(prepare_builtin(text, progress), f"minion {index}")
     config = load_config(path, f"minion {index}")
     check_vocabulary(target_path, target_tokenizer, target_vocab, path, load_tokenizer(path, "minion"),
                      int(config.vocab_size))
@@ -110,6 +144,34 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     if progress:
         progress(LoadProgress(path.name, "device", total, total, "ready"))
     return minion
+
+
+def _load_substitute(spec: MinionSpec, progress: Progress | None) -> Minion:
+    """The target re-quantized by llama.cpp (made once into the cache), as a GGUF minion."""
+    from minions_local.backends.gguf import GGUFMinion, import_llama_cpp
+    from minions_local.backends.substitute import substitute_gguf
+    from minions_local.models.builtin import SMOLLM2, builtin_name, models_cache
+
+    path = Path(spec.path).expanduser()
+    if builtin_name(path) == SMOLLM2:
+        from minions_local.models.smollm2 import shipped_gguf
+
+        source, stem = shipped_gguf(), SMOLLM2
+    elif path.suffix == ".gguf" and path.is_file():
+        source, stem = path, f"substitutes/{path.stem}"
+    else:
+        raise ModelLoadError(f"A 'substitute' minion re-quantizes a GGUF of the target, and {path} is not a .gguf "
+                             f"file. Export one (scripts/export_gguf.py) and set the minion's path to it.")
+    try:
+        import_llama_cpp()
+    except ModelLoadError as err:
+        raise ModelLoadError(f"The minion '{spec.name or spec.quantization}' is the target re-quantized by "
+                             f"llama.cpp. {err} `bash scripts/setup.sh` builds and installs it once (3-5 minutes). "
+                             f"Or run without it: --minion ngram, or the 'stdlib-demo' profile.") from None
+    name = spec.name or spec.quantization
+    file = substitute_gguf(source, spec.quantization, models_cache() / f"{stem}.{spec.quantization}.gguf",
+                           name=name, progress=progress)
+    return GGUFMinion.from_path(file, name=name)
 
 
 def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_path: Path, minion_tok,

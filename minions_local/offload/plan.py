@@ -18,7 +18,7 @@ are the shares of it the profile grants to each use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from minions_local.core.errors import MemoryPlanError
@@ -231,6 +231,8 @@ def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):
     if m.kind == "ngram":
         return 0, 0, None
     dims = dims or dims_for(m.path, m.dims, f"minions[{index}]")
+    if m.kind == "self_draft":  # the target's first layers: its dims, fewer layers
+        dims = replace(dims, layers=min(m.layers, dims.layers))
     if m.kind == "gguf" and m.path and Path(m.path).is_file():
         size = Path(m.path).stat().st_size  # the file is exactly what gets loaded
     else:

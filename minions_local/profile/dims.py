@@ -29,6 +29,11 @@ _QUANT_BYTES = {
     "int8": 1.0,
     "int4": 0.5 + 2 / 64,
     "nf4": 0.5 + (1 + 4 / 256) / 64,
+    # llama.cpp's k-quant mixes for a 'substitute' minion (some tensors keep more bits):
+    # averages from the sizes its quantizer lists for an 8B Llama.
+    "q2_k": 0.37,
+    "q3_k_s": 0.43,
+    "q3_k_m": 0.47,
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ValidationError
 
 from minions_local.core.errors import ProfileError
-from minions_local.profile.schema import Profile
+from minions_local.profile.schema import OF_THE_TARGET, Profile
 
 MODELS_DIR_ENV = "MINIONS_MODELS_DIR"
 DEFAULT_MODELS_DIR = "~/models"
@@ -53,6 +53,10 @@ def available_profiles() -> list[str]:
 
 def resolve_model_path(spec: str, relative_to: Path | None = None) -> str:
     """An absolute path for a model reference in a profile (see Target.path)."""
+    if spec.startswith("builtin:"):
+        from minions_local.models.builtin import builtin_path
+
+        return str(builtin_path(spec.removeprefix("builtin:")))
     if spec.startswith("demo:"):
         return str(demo_models_dir() / spec.removeprefix("demo:"))
     if spec.startswith("models:"):
@@ -150,8 +154,8 @@ def _minion_override(spec: str, data: dict[str, Any]) -> dict[str, Any]:
 
 def _from_command_line(spec: str) -> str:
     """A path typed on the command line is relative to the working directory, not to
-    the profile file; 'demo:' and 'models:' references keep their meaning."""
-    if spec.startswith(("demo:", "models:")):
+    the profile file; 'builtin:', 'demo:' and 'models:' references keep their meaning."""
+    if spec.startswith(("builtin:", "demo:", "models:")):
         return spec
     return str(Path(spec).expanduser().resolve())
 
@@ -160,11 +164,21 @@ def _resolve_paths(profile: Profile, relative_to: Path) -> Profile:
     target = profile.target.model_copy(
         update={"path": resolve_model_path(profile.target.path, relative_to)}
     )
-    minions = [
-        m.model_copy(update={"path": resolve_model_path(m.path, relative_to)}) if m.path else m
-        for m in profile.minions
-    ]
+    minions = [_resolve_minion(m, target, relative_to) for m in profile.minions]
     return profile.model_copy(update={"target": target, "minions": minions})
+
+
+def _resolve_minion(minion, target, relative_to: Path):
+    """A minion with an absolute path; one made from the target's weights (a substitute,
+    a self-draft) defaults to the target's path and known dims."""
+    update: dict[str, Any] = {}
+    if minion.path:
+        update["path"] = resolve_model_path(minion.path, relative_to)
+    elif minion.kind in OF_THE_TARGET:
+        update["path"] = target.path
+        if minion.dims is None and target.dims is not None:
+            update["dims"] = target.dims
+    return minion.model_copy(update=update) if update else minion
 
 
 # -- error messages ---------------------------------------------------------------------

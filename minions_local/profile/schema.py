@@ -18,7 +18,12 @@ from minions_local.core.tiers import Tier
 
 DType = Literal["float32", "bfloat16", "float16"]
 TargetQuantization = Literal["none", "int8", "int4"]
-MinionQuantization = Literal["none", "nf4", "int8"]
+MinionQuantization = Literal["none", "nf4", "int8", "q2_k", "q3_k_s", "q3_k_m"]
+LLAMA_CPP_QUANTIZATIONS = ("q2_k", "q3_k_s", "q3_k_m")
+"""What llama.cpp re-quantizes a 'substitute' minion to: 3 bits or fewer per weight."""
+MinionKind = Literal["hf", "gguf", "ngram", "substitute", "self_draft"]
+OF_THE_TARGET = ("substitute", "self_draft")
+"""Minion kinds made from the target's own weights (their path defaults to the target's)."""
 
 
 class _Section(BaseModel):
@@ -114,9 +119,10 @@ class Target(_Section):
     """The big model whose layers stream in for every verification pass."""
 
     path: str = Field(
-        description="Model folder or file: 'demo:NAME' (shipped demo model), 'models:NAME' "
-        "(under $MINIONS_MODELS_DIR, default ~/models), '~/...', an absolute path, or a "
-        "path relative to the profile file. load_profile() resolves it to an absolute path."
+        description="Model folder or file: 'builtin:NAME' (a model made on first use from an "
+        "installed package, e.g. builtin:smollm2-135m-instruct), 'demo:NAME' (shipped demo model), "
+        "'models:NAME' (under $MINIONS_MODELS_DIR, default ~/models), '~/...', an absolute path, or "
+        "a path relative to the profile file. load_profile() resolves it to an absolute path."
     )
     format: Literal["hf", "gguf"] = Field("hf", description="HF folder (safetensors) or GGUF file.")
     dtype: DType = Field("bfloat16", description="Compute dtype of the target.")
@@ -152,15 +158,29 @@ class Minion(_Section):
     """A small draft model (or the n-gram heuristic) that stays resident."""
 
     name: str | None = Field(None, description="Display name; defaults to the folder name or kind.")
-    kind: Literal["hf", "gguf", "ngram"] = Field("hf", description="What the minion is.")
+    kind: MinionKind = Field(
+        "hf",
+        description="What the minion is: 'hf' (a model folder), 'gguf' (a .gguf file run by llama.cpp), "
+        "'ngram' (continuations seen earlier in the conversation), 'substitute' (the target's own "
+        "weights re-quantized by llama.cpp to `quantization`), 'self_draft' (the target's first "
+        "`layers` layers with its final norm and head).",
+    )
     path: str | None = Field(
-        None, description="Model folder/file, same forms as target.path; none for 'ngram'."
+        None,
+        description="Model folder/file, same forms as target.path; none for 'ngram'. A 'substitute' "
+        "or 'self_draft' defaults to the target's path (a substitute needs a GGUF of the target: "
+        "builtin:smollm2-135m-instruct has one).",
     )
     backend: Literal["transformers", "llama_cpp", "ngram"] | None = Field(
-        None, description="Runtime; defaults by kind (hf: transformers, gguf: llama_cpp)."
+        None, description="Runtime; defaults by kind (hf, self_draft: transformers; gguf, substitute: llama_cpp)."
     )
     quantization: MinionQuantization = Field(
-        "none", description="Weight storage: bitsandbytes nf4/int8 pay off on CUDA only."
+        "none",
+        description="Weight storage: bitsandbytes nf4/int8 for 'hf' (pays off on CUDA only); "
+        "llama.cpp q2_k / q3_k_s / q3_k_m for a 'substitute' (made once, cached).",
+    )
+    layers: int | None = Field(
+        None, ge=1, description="How many of the target's first layers a 'self_draft' runs."
     )
     device: Literal["cpu", "cuda"] | None = Field(
         None, description="Where it runs; defaults to hardware.device."
@@ -175,15 +195,31 @@ class Minion(_Section):
         if self.kind == "ngram":
             if self.path is not None:
                 raise ValueError("an 'ngram' minion has no path")
-        elif not self.path:
+        elif not self.path and self.kind not in OF_THE_TARGET:
             raise ValueError(f"a '{self.kind}' minion needs a path")
+        llama_cpp_type = self.quantization in LLAMA_CPP_QUANTIZATIONS
+        if self.kind == "substitute" and not llama_cpp_type:
+            raise ValueError(f"a 'substitute' minion needs quantization = one of {', '.join(LLAMA_CPP_QUANTIZATIONS)}")
+        if self.kind != "substitute" and llama_cpp_type:
+            raise ValueError(f"quantization '{self.quantization}' is for 'substitute' minions (llama.cpp "
+                             f"re-quantizes the target); a '{self.kind}' minion takes none, nf4 or int8")
+        if (self.kind == "self_draft") != (self.layers is not None):
+            raise ValueError("'layers' is set for a 'self_draft' minion, and only for one")
         if self.backend is None:
-            default = {"hf": "transformers", "gguf": "llama_cpp", "ngram": "ngram"}[self.kind]
+            default = {"hf": "transformers", "gguf": "llama_cpp", "ngram": "ngram", "substitute": "llama_cpp",
+                       "self_draft": "transformers"}[self.kind]
             object.__setattr__(self, "backend", default)
         if self.name is None:
-            stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(":")[-1] if self.path else "ngram"
-            object.__setattr__(self, "name", stem.removesuffix(".gguf"))
+            object.__setattr__(self, "name", self._default_name())
         return self
+
+    def _default_name(self) -> str:
+        if self.kind == "substitute":
+            return self.quantization
+        if self.kind == "self_draft":
+            return f"self-draft-{self.layers}"
+        stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(":")[-1] if self.path else "ngram"
+        return stem.removesuffix(".gguf")
 
 
 class Speculation(_Section):

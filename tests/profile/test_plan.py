@@ -44,10 +44,10 @@ def test_70b_parameter_count_from_known_dims():
 
 
 def test_demo_profiles():
-    ram = plan_memory(load_profile("cpu-demo"))
+    ram = plan_memory(load_profile("stdlib-demo"))
     assert set(ram.layer_tiers) == {"device"} and ram.streamed_bytes_per_pass == 0
     assert ram.buffers.count == 0
-    disk = plan_memory(load_profile("cpu-demo-disk"))
+    disk = plan_memory(load_profile("stdlib-demo-disk"))
     assert set(disk.layer_tiers) == {"disk"}
     assert disk.streamed_bytes_by_tier["disk"] == disk.target_layer_bytes
     assert disk.buffers.count == 6
@@ -59,7 +59,7 @@ def test_config_json_wins_over_known_dims(tmp_path):
     config = {"num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 256,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
     (folder / "config.json").write_text(json.dumps(config))
-    plan = plan_memory(load_profile("cpu-demo", target=str(folder)))
+    plan = plan_memory(load_profile("stdlib-demo", target=str(folder)))
     assert plan.target_dims == ModelDims(layers=3, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1000)
     assert len(plan.layer_tiers) == 3
 
@@ -138,7 +138,7 @@ def test_gguf_minion_sizes_come_from_the_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    profile = load_profile("cpu-demo", minions=[str(path), "ngram"])
+    profile = load_profile("stdlib-demo", minions=[str(path), "ngram"])
     plan = plan_memory(profile)
     assert plan.minion_dims["small"] == ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
                                                   vocab=100, tied_embeddings=True, max_context=256)

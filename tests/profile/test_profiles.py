@@ -9,7 +9,8 @@ import pytest
 from minions_local.core.errors import ProfileError
 from minions_local.profile.cli import available_profiles, load_profile, plan_report
 
-SHIPPED = ["cpu-demo", "cpu-demo-disk", "rtx3090-70b", "rtx4070ti-32b", "rtx4090-70b"]
+SHIPPED = ["cpu-demo", "cpu-demo-disk", "rtx3090-70b", "rtx4070ti-32b", "rtx4090-70b", "stdlib-demo",
+           "stdlib-demo-disk"]
 
 MINIMAL = """
 [hardware]
@@ -202,7 +203,7 @@ def test_demo_profiles_point_at_the_shipped_family():
     folder = demo_models_dir()
     if not folder.is_dir() or not any(folder.glob("*/config.json")):
         pytest.skip("the demo family is not built yet (scripts/demo_training.py)")
-    for name in ("cpu-demo", "cpu-demo-disk"):
+    for name in ("stdlib-demo", "stdlib-demo-disk"):
         profile = load_profile(name)
         for section in [profile.target] + [m for m in profile.minions if m.path]:
             assert (Path(section.path) / "config.json").is_file(), section.path

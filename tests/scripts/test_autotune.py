@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "autotune.py"
 def test_tiny_autotune_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "generated" / "here.toml"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--disk-path", str(tmp_path / "disk")],
+        [sys.executable, str(SCRIPT), "--tiny", "--profile", "stdlib-demo", "--out", str(out), "--disk-path",
+         str(tmp_path / "disk")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -232,7 +232,7 @@ def test_policy_from_profile_uses_its_limits():
 def test_autotune_measurements_replace_the_guesses():
     from minions_local.profile.schema import Measurements, TimingSample
 
-    profile = load_profile("cpu-demo")
+    profile = load_profile("stdlib-demo")
     guess = cost_model_from_profile(profile)
     grow = [TimingSample(model="minion-llama-s", tokens=w, seconds=0.01 + 0.002 * w) for w in (1, 4, 16)]
     layer = [TimingSample(model="target", tokens=t, seconds=0.001 + 0.0001 * t) for t in (1, 16, 64)]

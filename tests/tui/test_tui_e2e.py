@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PROFILE = "cpu-demo"
+PROFILE = "stdlib-demo"
 
 
 def demo_ready() -> str | None:

@@ -60,7 +60,8 @@ class Growth:
     """The minions that grew, in the order they grew in."""
 
     @classmethod
-    def none(cls, minions: int) -> Growth:
+    def empty(cls, minions: int) -> Growth:
+        """No minion grew (none to ask, or a zero budget)."""
         return cls([None] * minions, [0.0] * minions, [0] * minions)
 
     @property
@@ -173,7 +174,7 @@ class Decoder:
 
         draws: the sampling settings the minions draw their drafts with (None: each
         proposes its most probable tokens)."""
-        growth = Growth.none(len(self.minions))
+        growth = Growth.empty(len(self.minions))
         if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
             return growth
         chosen = selector.choose()

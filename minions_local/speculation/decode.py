@@ -70,6 +70,9 @@ class Growth:
 
 
 class Decoder:
+    """Speculative steps for one target and its minions: the budget policy sizes each
+    step's tree, and a minion selector per regime learns who grows and how each votes."""
+
     def __init__(self, target: Target, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
                  keep_trees: bool = True, selection: str = "learned") -> None:
         self.target = target

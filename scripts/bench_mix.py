@@ -41,7 +41,7 @@ def chat_workload(snippets: list[str]) -> list[list[dict[str, str]]]:
 
 
 def build_engines(tier: str, gguf_path: Path | None) -> dict[str, Engine]:
-    base = engine_kwargs_from_profile("cpu-demo-disk" if tier == "disk" else "cpu-demo")
+    base = engine_kwargs_from_profile("stdlib-demo-disk" if tier == "disk" else "stdlib-demo")
     hf = str(DEMO / "minion-qwen2-xs")
     singles: dict[str, list] = {"single hf qwen2-xs": [hf], "single ngram": ["ngram"]}
     mix = [hf, "ngram"]

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0.0,0.7")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    base = Engine.from_profile("cpu-demo", threads=1)
+    base = Engine.from_profile("stdlib-demo", threads=1)
     prompts = held_out_prompts(base.tokenizer, args.prompts, 200)
     minions = base.decoder.minions
     shapes = {

@@ -1,7 +1,8 @@
 """`minions-chat --plain`: a line REPL on a terminal, a one-shot completion in a pipe.
 
-With stdin a pipe, the whole input is the prompt of a plain completion
-(`Engine.stream`) and only the completion goes to stdout. On a terminal it is a
+With stdin a pipe, the whole input is one user message (`Engine.stream_chat`) when
+the model has a chat template, else the prompt of a plain completion (`Engine.stream`),
+and only the reply goes to stdout. On a terminal it is a
 chat (`Engine.stream_chat`); progress, the memory plan and stats go to stderr.
 Generation runs on a helper thread so that Ctrl+C stops it between two target
 passes instead of tearing through the engine; a second Ctrl+C quits.
@@ -135,16 +136,16 @@ def _generate(engine: Any, start: Callable[[], Any], io: PlainIO) -> Outcome:
 
 
 def _complete(engine: Any, prompt: str, conversation: Conversation, io: PlainIO) -> int:
+    options = dict(max_new_tokens=conversation.max_new_tokens, temperature=conversation.temperature)
+    # An instruct model answers a piped question only through its chat template (raw,
+    # SmolLM2-Instruct ends "What is ...?" at once); a base model completes the text.
+    if getattr(getattr(engine, "tokenizer", None), "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        start = lambda: engine.stream_chat(messages, **options)  # noqa: E731
+    else:
+        start = lambda: engine.stream(prompt, **options)  # noqa: E731
     try:
-        outcome = _generate(
-            engine,
-            lambda: engine.stream(
-                prompt,
-                max_new_tokens=conversation.max_new_tokens,
-                temperature=conversation.temperature,
-            ),
-            io,
-        )
+        outcome = _generate(engine, start, io)
     except KeyboardInterrupt:
         return 130
     if io.closed:

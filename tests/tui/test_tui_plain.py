@@ -35,6 +35,15 @@ def test_piped_prompt_prints_only_the_completion(tmp_path):
     assert err == ""  # stderr is not a terminal: no progress lines
 
 
+def test_a_piped_question_to_a_chat_model_is_answered_through_its_template(tmp_path):
+    engine = FakeEngine()
+    engine.tokenizer = types.SimpleNamespace(chat_template="{{ messages }}")
+    code, out, _, _ = run(["--plain"], "What is 2+2?\n", factory=FakeFactory(engine), store=ConversationStore(tmp_path))
+    assert code == 0 and out == REPLY + ("" if REPLY.endswith("\n") else "\n")
+    assert engine.calls == [{"messages": [{"role": "user", "content": "What is 2+2?"}], "max_new_tokens": 256,
+                             "temperature": 0.0}]
+
+
 def test_pipe_without_plain_flag_also_completes(tmp_path):
     code, out, _, _ = run(["--max", "2", "--temp", "0.5"], "def f(\n", store=ConversationStore(tmp_path))
     assert code == 0

@@ -1,6 +1,6 @@
 """The compact forward for a target whose decoder layers stream from RAM or disk.
 
-The layers' weights arrive with every pass (offload/streamed.py): before layer i runs,
+The layers' weights arrive with every pass (offload/streamed.py, offload/binding.py): before layer i runs,
 its fetch is waited for and its parameters point into the layer buffer; afterwards the
 buffer goes back to the prefetch pipeline. transformers gets there through module
 hooks; this forward runs the same `enter` / `exit` itself around its own fused layer
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from minions_local.offload.streamed import layer_store, layer_weights
+from minions_local.offload.binding import layer_store, layer_weights
 from minions_local.backends.compact import CompactDecoder, fused_layer, packing_is_exact
 
 

@@ -16,7 +16,7 @@ from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
-from minions_local.offload.streamed import layer_weights
+from minions_local.offload.binding import layer_weights
 
 
 class HFTarget(CachedModel):

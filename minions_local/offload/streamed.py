@@ -10,7 +10,8 @@ weights live (`layer_tiers`: 'device' | 'ram' | 'disk'):
 - 'ram' / 'disk': a packed buffer in host RAM or a pack file; a forward pre-hook
   waits for the layer's fetch (`LayerStore.acquire`), points the layer's parameters
   at views into the compute-side buffer (dequantizing first when quantized), and a
-  forward hook points them back at an empty placeholder and frees the buffer.
+  forward hook points them back at an empty placeholder and frees the buffer
+  (offload/binding.py).
 
 Embeddings, the final norm and the lm_head always stay resident.
 """
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,12 +29,13 @@ from torch import nn
 from minions_local.core.errors import MemoryPlanError, ModelLoadError
 from minions_local.core.events import LoadProgress
 from minions_local.core.tiers import TIERS
+from minions_local.offload.binding import DequantScratch, ResidentPackedLayer, install_streaming
 from minions_local.offload.checkpoint import Checkpoint, folder_key
 from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
-from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
 from minions_local.offload.dtypes import compute_dtype
-from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, plan_layout, round_up
-from minions_local.offload.quant import QUANT_MODES, dequantize
+from minions_local.offload.layer_store import DiskSource, RamSource, StreamStats
+from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, plan_layout
+from minions_local.offload.quant import QUANT_MODES
 from minions_local.offload.skeleton import decoder_layers, load_resident_parts, skeleton_model
 
 log = logging.getLogger(__name__)
@@ -142,21 +142,6 @@ def load_streamed_causal_lm(
     return model, stats
 
 
-def install_streaming(model: nn.Module, layers: list[nn.Module], sources: list[RamSource | DiskSource], *,
-                      scratch: DequantScratch, device: torch.device, dtype: torch.dtype, buffers: int,
-                      readers: int | None, stats: StreamStats) -> LayerStore:
-    """Make `layers` (in execution order) take their weights from `sources` on each call."""
-    store = LayerStore(sources, device=device, buffers=buffers, stats=stats,
-                       readers=readers if readers is not None else max(2, buffers))
-    stats.bytes_by_tier["device"] = sum(b.numel() * b.element_size() for b in store.buffers)
-    for j, layer in enumerate(layers):
-        _StreamedLayer(layer, j, store, scratch, dtype, device)
-    model.model.register_forward_pre_hook(lambda _m, _a: store.begin_pass())
-    weakref.finalize(model, store.close)
-    _stores[model] = store  # keeps the pipeline alive with the model
-    return store
-
-
 def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
     """A torch dtype from a dtype, a name, or None (the checkpoint's own dtype)."""
     if isinstance(dtype, torch.dtype):
@@ -189,7 +174,7 @@ def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs
     if layout.quant == "none":
         _load_resident_layer(layer, tensors, device, dtype)
     else:
-        _ResidentPackedLayer(layer, layout, tensors, scratch, device)
+        ResidentPackedLayer(layer, layout, tensors, scratch, device)
     return None
 
 
@@ -353,153 +338,3 @@ def _read_mode(sources: list, stats: StreamStats) -> str:
     log.warning(msg)
     stats.warnings.append(msg)
     return "fadvise"
-
-
-class DequantScratch:
-    """One compute-dtype buffer that quantized layers are dequantized into, one layer at a time."""
-
-    def __init__(self, layouts: list[LayerLayout], quant: str, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype = dtype
-        size = 0
-        if quant != "none":
-            size = max((self.span(lay)[1] for lay in layouts), default=0)
-        self.data = torch.empty(size, dtype=dtype, device=device)
-
-    @staticmethod
-    def span(layout: LayerLayout) -> tuple[dict[str, int], int]:
-        offsets, n = {}, 0
-        for name, shape in layout.param_numel().items():
-            offsets[name] = n
-            numel = 1
-            for s in shape:
-                numel *= s
-            n = round_up(n + numel, 32)
-        return offsets, n
-
-    def views(self, layout: LayerLayout) -> dict[str, torch.Tensor]:
-        offsets, _ = self.span(layout)
-        out = {}
-        for name, shape in layout.param_numel().items():
-            numel = 1
-            for s in shape:
-                numel *= s
-            out[name] = self.data[offsets[name] : offsets[name] + numel].view(shape)
-        return out
-
-
-@dataclass(slots=True)
-class _Binding:
-    param: nn.Parameter
-    target: torch.Tensor
-    q: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-
-
-def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torch.Tensor,
-              scratch: DequantScratch) -> list[_Binding]:
-    """How each of a layer's `params` (by name) is produced from a packed `buffer` holding it."""
-    quantized = any(p.role == "q" for p in layout.pieces)
-    scratch_views = scratch.views(layout) if quantized else {}
-    out = []
-    for name, roles in layout.params().items():
-        if "" in roles:
-            out.append(_Binding(params[name], roles[""].view(buffer)))
-        else:
-            q, scale = roles["q"].view(buffer), roles["scale"].view(buffer)
-            out.append(_Binding(params[name], scratch_views[name], q, scale))
-    return out
-
-
-def _bind(bindings: list[_Binding], quant: str) -> None:
-    for b in bindings:
-        if b.q is not None:
-            dequantize(b.q, b.scale, quant, out=b.target)
-        b.param.data = b.target
-
-
-def _unbind(bindings: list[_Binding], placeholder: torch.Tensor) -> None:
-    for b in bindings:
-        b.param.data = placeholder
-
-
-def _empty_parameters(layer: nn.Module, placeholder: torch.Tensor) -> None:
-    for module in layer.modules():
-        for attr, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[attr] = nn.Parameter(placeholder, requires_grad=False)
-
-
-class _StreamedLayer:
-    """Hooks that give a decoder layer its weights from the LayerStore for each call.
-
-    `enter` / `exit` are also what a forward that does not call the module (the
-    compact forward) runs around the layer; `layer_weights(layer)` finds them."""
-
-    def __init__(self, layer: nn.Module, j: int, store: LayerStore, scratch: DequantScratch, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.j, self.store, self.scratch = j, store, scratch
-        self.layout = store.sources[j].layout
-        self.placeholder = torch.empty(0, dtype=dtype, device=device)
-        _empty_parameters(layer, self.placeholder)
-        self.params = dict(layer.named_parameters())
-        """The layer's (emptied) parameters; not the layer itself, which `_weights` keys weakly."""
-        self.bindings: dict[int, list[_Binding]] = {}
-        """Per buffer index: the views this layer binds when it sits in that buffer."""
-        self.current: list[_Binding] = []
-        layer.register_forward_pre_hook(lambda _m, _a: self.enter())
-        layer.register_forward_hook(lambda _m, _a, _o: self.exit())
-        _weights[layer] = self
-
-    def enter(self) -> None:
-        """Wait for this layer's fetch and point its parameters into the buffer."""
-        k = self.store.acquire(self.j)
-        if k not in self.bindings:
-            self.bindings[k] = _bindings(self.params, self.layout, self.store.buffers[k], self.scratch)
-        self.current = self.bindings[k]
-        _bind(self.current, self.layout.quant)
-
-    def exit(self) -> None:
-        """The layer has run: empty its parameters and give its buffer back."""
-        _unbind(self.current, self.placeholder)
-        self.store.release(self.j)
-
-
-class _ResidentPackedLayer:
-    """A quantized layer kept on the compute device, dequantized before each call."""
-
-    def __init__(self, layer: nn.Module, layout: LayerLayout, tensors: dict, scratch: DequantScratch,
-                 device: torch.device) -> None:
-        host = aligned_empty(layout.padded_nbytes)
-        pack_layer(layout, tensors, host)
-        self.packed = host.to(device)
-        self.layout = layout
-        self.placeholder = torch.empty(0, dtype=scratch.dtype, device=device)
-        _empty_parameters(layer, self.placeholder)
-        self.bindings = _bindings(dict(layer.named_parameters()), layout, self.packed, scratch)
-        layer.register_forward_pre_hook(lambda _m, _a: self.enter())
-        layer.register_forward_hook(lambda _m, _a, _o: self.exit())
-        _weights[layer] = self
-
-    def enter(self) -> None:
-        _bind(self.bindings, self.layout.quant)
-
-    def exit(self) -> None:
-        _unbind(self.bindings, self.placeholder)
-
-
-# What this module keeps for transformers' objects, here and not as attributes set on
-# them. Weak keys: an entry lives as long as its model or layer, and no value refers
-# back to its key (a layer's hooks hold its weights object, not the other way round).
-_weights: weakref.WeakKeyDictionary[nn.Module, _StreamedLayer | _ResidentPackedLayer] = weakref.WeakKeyDictionary()
-_stores: weakref.WeakKeyDictionary[nn.Module, LayerStore] = weakref.WeakKeyDictionary()
-
-
-def layer_weights(layer: nn.Module) -> _StreamedLayer | _ResidentPackedLayer | None:
-    """What gives this decoder layer its weights around each call (None: its own
-    resident parameters)."""
-    return _weights.get(layer)
-
-
-def layer_store(model: nn.Module) -> LayerStore | None:
-    """The prefetch pipeline of a model loaded by `load_streamed_causal_lm` (None: nothing streams)."""
-    return _stores.get(model)

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from minions_local.offload.binding import layer_store
 from minions_local.offload.checkpoint import Checkpoint
 from minions_local.offload.layout import aligned_empty
-from minions_local.offload.streamed import layer_store
 
 PREFIX = 64
 

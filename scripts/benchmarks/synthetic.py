@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from minions_local.offload.binding import DequantScratch, install_streaming
 from minions_local.offload.dtypes import dtype_from_name
 from minions_local.offload.layer_store import RamSource, StreamStats
 from minions_local.offload.layout import LayerLayout, aligned_empty, plan_layout
 from minions_local.offload.skeleton import rebuild_meta_buffers
-from minions_local.offload.streamed import DequantScratch, install_streaming
 
 SHAPES = {
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,

@@ -135,7 +135,7 @@ def test_resident_parts_are_held_once(tmp_path):
 def test_a_pass_interrupted_inside_a_layer_leaves_the_target_exact(tmp_path, monkeypatch, layer):
     """Ctrl-C while a layer holds its buffer (fetched, never given back): the next
     pass starts the pipeline over and the logits are still transformers' own."""
-    from minions_local.offload.streamed import layer_weights
+    from minions_local.offload.binding import layer_weights
 
     path = save_tiny(tmp_path, "llama", layers=3)
     ref_model, _ = _streamed(path, tmp_path / "g", torch.bfloat16, tier="disk")

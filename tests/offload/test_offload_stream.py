@@ -11,6 +11,7 @@ import torch
 
 from minions_local.core.errors import MemoryPlanError
 from minions_local.offload import load_streamed_causal_lm
+from minions_local.offload import binding
 from minions_local.offload import streamed as streamed_mod
 from tests.helpers.offload_helpers import max_diff, one_thread, resident, save_tiny, tree_pass_logits
 
@@ -97,13 +98,13 @@ def test_streaming_state_lives_beside_the_model_not_on_it(models, tmp_path):
     model, _ = load_streamed_causal_lm(models["llama"], tier="disk", layer_tiers=["disk", "device", "ram", "disk"],
                                        quant="int8", dtype=torch.float32, cache_dir=tmp_path)
     layers = list(model.model.layers)
-    store = streamed_mod.layer_store(model)
-    assert store is not None and all(streamed_mod.layer_weights(layer) is not None for layer in layers)
+    store = binding.layer_store(model)
+    assert store is not None and all(binding.layer_weights(layer) is not None for layer in layers)
     tree_pass_logits(model, steps=0)
-    ours = {type(store), *(type(streamed_mod.layer_weights(layer)) for layer in layers)}
+    ours = {type(store), *(type(binding.layer_weights(layer)) for layer in layers)}
     for module in model.modules():
         assert not any(type(value) in ours for value in vars(module).values())
-    gone = [weakref.ref(obj) for obj in (model, store, *layers, *map(streamed_mod.layer_weights, layers))]
+    gone = [weakref.ref(obj) for obj in (model, store, *layers, *map(binding.layer_weights, layers))]
     del model, layers, store
     gc.collect()
     assert [ref() for ref in gone] == [None] * len(gone)

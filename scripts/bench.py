@@ -1,23 +1,32 @@
 #!/usr/bin/env python
-"""Our engine against the peers, in one interleaved run on the same held-out prompts.
+"""Our engine against the peers on chat, in one interleaved run.
 
-    python scripts/bench.py --profile cpu-demo [--tier ram|disk] [--quick] [--out DIR]
-    python scripts/bench.py --standins --quick     # random models in the family's shapes
-    python scripts/bench.py --tiny                 # seconds: the smoke test's run
+    python scripts/bench.py                          # cpu-demo-disk: the default model streamed from disk
+    python scripts/bench.py --profile cpu-demo       # the RAM tier
+    python scripts/bench.py --quick                  # 3 prompts x 48 tokens, short calibration
+    python scripts/bench.py --tiny                   # seconds: tiny random stand-ins (the tests' run)
 
-Methods: the target alone through our engine (the baseline), transformers `generate`
-(plain, and assisted by each minion), our engine with one minion as a chain, with
-fixed budgets, and with the profile's adaptive policy; llama.cpp on the target as a
-GGUF with and without prompt lookup (RAM tier, when llama_cpp is installed).
-Rounds go prompt by prompt, greedy then sampled (temperature 0.7, fixed seeds), and
-every method runs in every round, its start rotated, so load from other processes
-hits all methods alike; figures are ratios to the baseline of the same round. Without
---quick, a calibration round first picks each method's fastest thread count and
-dtype (weight type for llama.cpp). Prints a table, writes a PNG plot into --out, and
-ends with ONE JSON line holding every figure and the goal checks.
+Prompts: the benchmark's own chat requests (benchmarks/chat_prompts.py: explanation,
+code, lists, a letter, a summary, ...), each rendered through the target's chat
+template. Methods: our autoregressive engine on the same tier (the baseline), our
+adaptive engine with learned selection and with every minion running, our engine at
+fixed tree sizes; transformers plain, assisted by a truncated copy of the target and
+by prompt lookup (with accelerate disk offload on the disk tier); llama.cpp plain and
+with prompt lookup (on the disk tier in a child process whose memory group is smaller
+than the model, so mmap must read the weights from disk again).
 
-Measured on the shared 2-core box with the demo family: --quick takes ~1.5 min (RAM
-tier) / ~3.5 min (disk tier); the full run ~13 min (RAM) / ~9 min (disk, 4 prompts).
+Every method first tries its thread counts (1, 2) and dtypes (bf16, fp32; for
+llama.cpp the shipped Q4_1 GGUF and an f16 export) in a calibration round and keeps
+its fastest. Rounds go prompt by prompt, greedy then sampled (temperature 0.7, our
+engine unseeded, as in the chat), every method in every round with its start
+rotated, so load from other processes hits all methods alike; figures are ratios to
+the autoregressive baseline of the same round. On the disk tier it measures raw
+O_DIRECT read bandwidth before and after the rounds, for the physical bound (tokens
+per pass x raw bandwidth / bytes per pass) and the baseline's stream efficiency.
+Prints a table, writes a PNG plot into --out, and ends with ONE JSON line.
+
+How long (2-core box, cpu-demo-disk): see the report in issue 14; --quick is about a
+quarter of the full run, --tiny under a minute.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,9 +48,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from benchmarks import report  # noqa: E402
-from benchmarks.choices import resolve_models, resolve_profile, settings  # noqa: E402
+from benchmarks.chat_prompts import calibration_prompt, chat_prompts  # noqa: E402
+from benchmarks.choices import TINY_PROFILE, resolve_profile, resolve_tier, settings, standin_overrides  # noqa: E402
 from benchmarks.lineup import Lineup  # noqa: E402
-from benchmarks.prompts import held_out_prompts  # noqa: E402
+from benchmarks.raw_reads import raw_read_gbps, stream_pack_files  # noqa: E402
 from benchmarks.rounds import TEMPERATURE, calibrate, interleaved  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,20 +59,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default="cpu-demo", help="hardware profile (its policy is the adaptive engine)")
-    p.add_argument("--tier", choices=["ram", "disk"], default="ram", help="where the target's layers live")
-    p.add_argument("--quick", action="store_true", help="few prompts, short replies, fewer methods, no calibration")
+    p.add_argument("--profile", default="cpu-demo-disk", help="hardware profile (its policy is the adaptive engine)")
+    p.add_argument("--tier", choices=["ram", "disk"], default=None, help="default: the profile's own")
+    p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, a short calibration")
     p.add_argument("--tiny", action="store_true", help="tiny random stand-ins, a few tokens: checks the machinery")
-    p.add_argument("--standins", action="store_true", help="random models in the demo family's shapes")
-    p.add_argument("--target", type=Path, default=None, help="target HF folder (default: the demo family's)")
-    p.add_argument("--minion", type=Path, action="append", default=None, help="minion HF folder (repeatable)")
     p.add_argument("--out", type=Path, default=REPO / "bench_out", help="folder for the plot")
-    p.add_argument("--prompts", type=int, default=None, help="held-out prompts (rounds per mode)")
-    p.add_argument("--prompt-tokens", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=None, help="chat prompts (rounds per mode)")
     p.add_argument("--max-new", type=int, default=None, help="new tokens per generation")
     p.add_argument("--modes", default="greedy,sampled")
-    p.add_argument("--threads", default=None, help="'auto' (calibrate 1 and 2), or a fixed count")
+    p.add_argument("--threads", default=None, help="thread counts to try, e.g. '1,2' (default) or '2'")
+    p.add_argument("--dtypes", default=None, help="compute dtypes to try, e.g. 'bf16,fp32' (default)")
+    p.add_argument("--fixed", default=None, help="our fixed tree sizes, e.g. '16,64,256'")
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--llama-cpp-cache-share", type=float, default=0.5,
+                   help="disk tier: share of the GGUF llama.cpp's memory group may keep cached (default 0.5)")
     return p.parse_args(argv)
 
 
@@ -69,64 +82,110 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)  # noqa: E731
     cfg = settings(args)
-    target, minions, notes = resolve_models(args)
-    profile = resolve_profile(args.profile, args.tier)
-    threads = [1, 2] if cfg["threads"] == "auto" else [int(cfg["threads"])]
-    lineup = Lineup(target=target, minions=minions, profile=profile, tier=args.tier, threads=threads,
-                    hf_dtypes=cfg["dtypes"], gguf_types=cfg["gguf"], fixed_budgets=cfg["fixed"],
-                    chain_minions=minions[: cfg["chains"]], assisted_minions=minions[: cfg["assisted"]],
-                    llama_cpp=not args.no_llama_cpp, n_ctx=cfg["prompt_tokens"] + cfg["max_new"] + 64, notes=notes)
-    log(f"loading: profile {profile}, tier {args.tier}, target {target}")
-    groups = lineup.build()
-    from transformers import AutoTokenizer
+    notes: list[str] = []
+    profile = TINY_PROFILE if args.tiny else resolve_profile(args.profile, args.tier or "")
+    tier = resolve_tier(profile, args.tier)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-"))  # exports, stand-ins, private packs: removed at the end
+    lineup = Lineup(profile=profile, tier=tier, threads=cfg["threads"], dtypes=cfg["dtypes"], gguf_types=cfg["gguf"],
+                    fixed_budgets=cfg["fixed"], overrides=standin_overrides(workdir, notes) if args.tiny else {},
+                    transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
+                    llama_memory_share=args.llama_cpp_cache_share, private_packs=args.tiny, notes=notes,
+                    workdir=workdir)
+    try:
+        return _run(args, cfg, lineup, profile, tier, log, started)
+    finally:
+        lineup.close()
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = held_out_prompts(tokenizer, cfg["prompts"], cfg["prompt_tokens"])
-    extra = held_out_prompts(tokenizer, 1, cfg["prompt_tokens"], skip=cfg["prompts"])[0]  # never measured
-    log(f"{len(prompts)} prompts: {', '.join(p.source for p in prompts)}")
+
+def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started: float) -> int:
+    log(f"loading: profile {profile}, {tier} tier; trying threads {cfg['threads']}, dtypes {cfg['dtypes']}")
+    tokenizer = lineup.tokenizer()
+    prompts = chat_prompts(tokenizer, cfg["prompts"])
+    extra = calibration_prompt(tokenizer)  # never measured
+    lineup.warm_ids = extra.ids
+    lineup.n_ctx = max(len(p.ids) for p in [*prompts, extra]) + cfg["max_new"] + 64
+    groups = lineup.build()
+    log(f"{len(prompts)} prompts ({', '.join(p.source for p in prompts)}); "
+        f"{sum(map(len, groups))} candidates of {len(groups)} methods")
     for group in groups:  # warm-up: first calls pay for kernel selection, page cache, allocations
         for method in group:
             method.run(extra.ids, 4, 0.0, 0)
-    methods = calibrate(groups, extra.ids, min(32, cfg["max_new"])) if len(threads) > 1 or len(cfg["dtypes"]) > 1 \
-        else [g[0] for g in groups]
+    tokens, repeats = cfg["calibration"]
+    methods, calibration = calibrate(groups, extra.ids, min(tokens, cfg["max_new"]), repeats, log)
     log("chosen: " + "; ".join(f"{m.name}: {m.detail}, {m.threads} thread(s)" for m in methods))
+
+    baseline = methods[0]
+    packs, readers = stream_pack_files(baseline.engine.decoder.target.model) if tier == "disk" else ([], 1)
+    raw: list[float] = []
+    if packs:
+        raw.append(raw_read_gbps(packs, readers))
+        log(f"raw O_DIRECT read: {raw[-1]:.2f} GB/s over the target's {len(packs)} layer packs")
     modes = [m for m in args.modes.split(",") if m]
-    rounds, round_modes = interleaved(methods, prompts, modes, cfg["max_new"], log)
+    failures: list[str] = []
+    rounds, round_modes = interleaved(methods, prompts, modes, cfg["max_new"], log, failures)
+    if packs:
+        raw.append(raw_read_gbps(packs, readers))
+        log(f"raw O_DIRECT read after the rounds: {raw[-1]:.2f} GB/s")
+    raw_gbps = statistics.mean(raw) if raw else None
 
     summary = report.summarize(rounds, round_modes)
-    adaptive = [m.name for m in methods if m.family == "adaptive"]
-    adaptive_runs = [r[adaptive[0]] for r in rounds] if adaptive else []
+    runs_of = {m.name: [r[m.name] for r in rounds if m.name in r] for m in methods}
+    nbytes = {m.name: report.bytes_per_pass(m, runs_of[m.name], tier) for m in methods if runs_of[m.name]}
+    bounds = {n: report.physical_bound(summary[n]["all"].tokens_per_pass, raw_gbps, b) for n, b in nbytes.items()} \
+        if tier == "disk" else {}
+    adaptive = next((m.name for m in methods if m.family == "adaptive"), None)
+    adaptive_runs = runs_of.get(adaptive, [])
     errors = report.prediction_errors(adaptive_runs)
-    goals = report.goal_checks(args.tier, summary, methods, errors)
-    best_hf = goals["ram_vs_best_transformers"].get("best_transformers")
+    efficiency = report.stream_efficiency(runs_of[baseline.name], raw_gbps)
+    goals = report.goal_checks(tier, summary, methods, errors, efficiency["efficiency"])
     accepted = [s.accepted for run in adaptive_runs for s in run.steps]
-    title = f"{profile} ({args.tier} tier), {len(prompts)} prompts x {cfg['max_new']} tokens"
-    report.print_table(report.table_rows(summary, methods), title)
+
+    title = f"{profile} ({tier} tier), {len(prompts)} chat prompts x {cfg['max_new']} tokens"
+    report.print_table(report.table_rows(summary, methods, nbytes, bounds), title)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot = report.write_plot(args.out / f"bench-{args.tier}{'-quick' if args.quick else ''}.png", summary, methods,
-                             accepted, title)
-    splits = {m.name: report.time_split([r[m.name] for r in rounds]) for m in methods
-              if m.family in ("autoregressive", "chain", "fixed", "adaptive")}
+    suffix = "-tiny" if args.tiny else "-quick" if args.quick else ""
+    plot = report.write_plot(args.out / f"bench-{tier}{suffix}.png", summary, methods, accepted, title)
+    splits = {m.name: report.time_split(runs_of[m.name]) for m in methods if m.family in report.OURS}
     print("where our engine's time goes (share of wall time; ms per pass = grow + verify):")
     for name, split in splits.items():
         print(f"  {name:<28} " + ", ".join(f"{k} {v}" for k, v in split.items()))
+    print("calibration (ms per token of each candidate, dtype/threads):")
+    for name, table in calibration.items():
+        print(f"  {name:<28} " + ", ".join(f"{k} {v}" for k, v in table.items()))
+    if raw_gbps:
+        print(f"raw read {raw_gbps:.2f} GB/s; autoregressive streams {efficiency['achieved_gbps']} GB/s "
+              f"(efficiency {efficiency['efficiency']})")
     for key, check in goals.items():
         state = {True: "PASS", False: "FAIL", None: "n/a"}[check["passed"]]
         print(f"goal {key}: {check['value']} (goal {check['goal']}) {state}")
     print(f"prediction error (median, relative): {errors}")
-    for note in lineup.notes:
+    for note in [*lineup.notes, *failures]:
         print(f"note: {note}")
     print(f"plot: {plot}")
+    present = [m for m in methods if m.name in summary]
+    pick = lambda attr, mode: {m.name: round(getattr(summary[m.name][mode], attr), 3)  # noqa: E731
+                               for m in present if mode in summary[m.name]}
+    bound = bounds.get(adaptive) if adaptive else None
     result = {
-        "profile": profile, "tier": args.tier, "quick": args.quick, "tiny": args.tiny,
-        "standins": bool(args.tiny or args.standins), "target": str(target), "minions": [str(p) for p in minions],
-        "prompts": [p.source for p in prompts], "prompt_tokens": cfg["prompt_tokens"], "max_new_tokens": cfg["max_new"],
-        "modes": modes, "temperature": TEMPERATURE, "methods": report.as_json(summary, methods, best_hf),
-        "best_transformers": goals["ram_vs_best_transformers"].get("best_transformers"),
-        "best_fixed": goals["adaptive_vs_best_fixed"].get("best_fixed"),
-        "prediction_error": errors, "time_split": splits, "accepted_histogram": report.histogram(accepted), "goals": goals,
-        "notes": lineup.notes, "plot": str(plot), "seconds": round(time.perf_counter() - started, 1),
-        "torch": torch.__version__,
+        "profile": profile, "tier": tier, "quick": args.quick, "tiny": args.tiny, "target": str(lineup.target),
+        "minions": baseline.engine.minion_names if adaptive is None else
+        next(m for m in methods if m.name == adaptive).engine.minion_names,
+        "prompts": [p.source for p in prompts], "max_new_tokens": cfg["max_new"], "modes": modes,
+        "temperature": TEMPERATURE,
+        "ratios": {mode: pick("vs_baseline", mode) for mode in (*modes, "all")},
+        "tokens_per_pass": {mode: pick("tokens_per_pass", mode) for mode in modes},
+        "tokens_per_s": {mode: pick("tokens_per_second", mode) for mode in modes},
+        "bytes_per_pass": nbytes,
+        "raw_read_gbps": None if raw_gbps is None else round(raw_gbps, 3), "raw_reads_gbps": [round(r, 3) for r in raw],
+        "stream_efficiency": efficiency,
+        "physical_bound_tokens_per_s": None if bound is None else round(bound, 2),
+        "adaptive_vs_best_fixed": goals["adaptive_vs_best_fixed"]["value"],
+        "best_fixed": goals["adaptive_vs_best_fixed"]["best_fixed"],
+        "step_time_prediction_error": errors["step"], "prediction_error": errors,
+        "calibration": calibration, "methods": report.as_json(summary, methods, nbytes, bounds),
+        "time_split": splits, "accepted_histogram": report.histogram(accepted), "goals": goals,
+        "notes": lineup.notes, "failures": failures, "plot": str(plot),
+        "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
     }
     print(json.dumps(result))
     return 0

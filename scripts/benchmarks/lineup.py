@@ -1,117 +1,208 @@
-"""Which methods one benchmark run compares, built from a profile and model paths.
+"""Which methods one benchmark run compares, built from a profile.
 
-Each logical method comes as a list of candidates (threads 1 or 2; fp32 or bf16 for
-transformers; f16 or q8_0 for llama.cpp); the benchmark's calibration keeps the
-fastest candidate of each, or the first one when there is no calibration.
+Each logical method comes as a list of candidates (threads 1 or 2; bf16 or fp32 for
+our engine and transformers; the shipped Q4_1 GGUF or an f16 export for llama.cpp);
+the benchmark's calibration keeps the fastest candidate of each, so every method
+runs at its own best settings, tried in the same run.
+
+Ours: autoregressive (no minions: the baseline), the profile's adaptive policy with
+learned selection and with all minions running, and fixed tree sizes (for "adaptive
+against the best fixed size in hindsight"); all of one dtype share one loaded target.
+Peers: transformers plain, assisted by a truncated copy of the target (its first K
+layers, norm and head) and by prompt lookup, with accelerate disk offload on the disk
+tier; llama.cpp plain and with prompt lookup, in a memory group smaller than the
+model on the disk tier.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from benchmarks.methods import (EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf,
-                                page_cache_dropper)
+from benchmarks.llama_child import LlamaCppServer
+from benchmarks.methods import EngineMethod, HFMethod, LlamaCppMethod, Method, engine_sharing_target, load_hf, \
+    page_cache_dropper, param_bytes
 from minions_local import Engine
+from minions_local.engine.from_profile import engine_kwargs_from_profile
+from minions_local.engine.loading import prepare_builtin
 from minions_local.offload.dtypes import compute_dtype
+from minions_local.profile import load_profile
 from minions_local.speculation.budget import FixedBudget
 
 HF_OFFLOAD_DIR = Path("~/.cache/minions-local/bench-hf-offload").expanduser()
+PROMPT_LOOKUP_TOKENS = 10
+"""transformers' prompt lookup draft length (llama-cpp-python's default is 10 too)."""
 
 
 @dataclass
 class Lineup:
-    target: Path
-    minions: list[Path]
     profile: str
     tier: str
     threads: list[int]
     """Thread counts to try (the first is the default without calibration)."""
-    hf_dtypes: list[str]
+    dtypes: list[str]
+    """Compute dtypes to try for our engine and transformers."""
     gguf_types: list[str]
+    """llama.cpp weights to try: 'q4_1' (the shipped GGUF, when the target is built from it), or an
+    export of the target ('f32', 'f16', 'q8_0', 'q4_0')."""
     fixed_budgets: list[int]
-    chain_minions: list[Path]
-    chain_depth: int = 8
-    assisted_minions: list[Path] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """target= / minions= for Engine.from_profile (the stand-ins)."""
+    transformers: bool = True
     llama_cpp: bool = True
+    llama_memory_share: float = 0.5
     n_ctx: int = 1024
+    warm_ids: list[int] = field(default_factory=list)
+    """A prompt never measured (llama.cpp's children warm up on it, padded to n_ctx)."""
+    private_packs: bool = False
+    """Stream from layer packs in the run's own folder (stand-ins), not the profile's disk path."""
     notes: list[str] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-")))
+    target: Path | None = None
+    servers: list[LlamaCppServer] = field(default_factory=list)
+
+    def tokenizer(self):
+        """The target's tokenizer (a built-in target is converted here on first use)."""
+        from minions_local.engine.text import load_tokenizer
+
+        self.target = prepare_builtin(self._engine_kwargs(self.dtypes[0])["target"], None)
+        return load_tokenizer(self.target, "target")
 
     def build(self) -> list[list[Method]]:
         """Candidates per logical method, the autoregressive baseline first."""
-        adaptive_engine = Engine.from_profile(self.profile, target=str(self.target),
-                                              minions=[str(p) for p in self.minions] + self._profile_ngram())
-        groups: list[list[Method]] = []
-        ar = engine_sharing_target(adaptive_engine, [], FixedBudget(nodes=0, depth=0))
-        groups.append(self._threads(EngineMethod("autoregressive", "autoregressive", ar, 1, "engine, no minions")))
-        groups += self._transformers()
-        minions = adaptive_engine.minions
-        for path in self.chain_minions:
-            minion = next(m for m in minions if m.name == path.name)
-            d = self.chain_depth
-            engine = engine_sharing_target(adaptive_engine, [minion], FixedBudget(nodes=d, depth=d))
-            groups.append(self._threads(EngineMethod(f"chain {path.name} d{d}", "chain", engine, 1, f"depth {d}")))
-        depth = adaptive_engine.decoder.policy.max_depth if hasattr(adaptive_engine.decoder.policy, "max_depth") else 12
-        for nodes in self.fixed_budgets:
-            engine = engine_sharing_target(adaptive_engine, minions, FixedBudget(nodes=nodes, depth=depth))
-            method = EngineMethod(f"fixed {nodes}", "fixed", engine, 1, f"depth<={depth}, all minions")
-            groups.append(self._threads(method))
-        groups.append(self._threads(EngineMethod("adaptive", "adaptive", adaptive_engine, 1,
-                                                 type(adaptive_engine.decoder.policy).__name__)))
-        groups += self._llama_cpp()
-        return groups
+        ours = [self._ours(name) for name in self.dtypes]
+        groups = [[m for per_dtype in ours for m in per_dtype[k]] for k in range(len(ours[0]))]
+        if self.transformers:
+            groups += self._transformers()
+        if self.llama_cpp:
+            groups += self._llama_cpp()
+        return [g for g in groups if g]
 
-    def _profile_ngram(self) -> list[str]:
-        from minions_local.profile import load_profile
-
-        return ["ngram"] if any(m.kind == "ngram" for m in load_profile(self.profile).minions) else []
+    def close(self) -> None:
+        for server in self.servers:
+            server.close(self.notes)
+        self.servers.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _threads(self, method: Method) -> list[Method]:
         return [method.variant(threads=n) for n in self.threads]
 
+    def _engine_kwargs(self, dtype: str) -> dict[str, Any]:
+        kwargs = engine_kwargs_from_profile(self.profile, tier=self.tier, dtype=compute_dtype(dtype),
+                                            **self.overrides)
+        if self.private_packs and kwargs.get("stream_options"):
+            kwargs["stream_options"]["cache_dir"] = str(self.workdir / "packs")
+        return kwargs
+
+    def _ours(self, dtype: str) -> list[list[Method]]:
+        """[autoregressive, adaptive, adaptive all-minions, fixed...] candidates of one dtype."""
+        kwargs = self._engine_kwargs(dtype)
+        base = Engine.from_pretrained(**kwargs)
+        weights = param_bytes(base.decoder.target.model)
+        policy = type(base.decoder.policy).__name__
+        tag = f"{dtype}"
+
+        def method(name: str, family: str, engine: Engine, detail: str) -> list[Method]:
+            return self._threads(EngineMethod(name, family, engine, 1, f"{tag}, {detail}", dtype=dtype,
+                                              weight_bytes=weights))
+
+        minions = base.minions
+        ar = engine_sharing_target(base, [], FixedBudget(nodes=0, depth=0))
+        # The same policy, fresh (a policy learns as it runs): only the selection differs.
+        every = engine_sharing_target(base, minions, self._engine_kwargs_policy(dtype), selection="all")
+        groups = [method("autoregressive", "autoregressive", ar, "no minions"),
+                  method("adaptive", "adaptive", base, f"{policy}, learned selection"),
+                  method("adaptive all-minions", "adaptive-all", every, f"{policy}, every minion runs")]
+        depth = getattr(base.decoder.policy, "max_depth", 12)
+        for nodes in self.fixed_budgets:
+            engine = engine_sharing_target(base, minions, FixedBudget(nodes=nodes, depth=depth))
+            groups.append(method(f"fixed {nodes}", "fixed", engine, f"depth<={depth}, learned selection"))
+        return groups
+
+    def _engine_kwargs_policy(self, dtype: str):
+        return engine_kwargs_from_profile(self.profile, tier=self.tier, dtype=compute_dtype(dtype),
+                                          **self.overrides)["budget"]
+
+    def _assistant_layers(self) -> int:
+        for minion in load_profile(self.profile).minions:
+            if minion.kind == "self_draft" and minion.layers:
+                return minion.layers
+        from transformers import AutoConfig
+
+        return max(1, AutoConfig.from_pretrained(self.target).num_hidden_layers // 4)
+
     def _transformers(self) -> list[list[Method]]:
         from transformers import AutoTokenizer
 
+        assert self.target is not None, "build our engine first: it converts a built-in target"
         eos = AutoTokenizer.from_pretrained(self.target).eos_token_id
+        k = self._assistant_layers()
         plain: list[Method] = []
-        assisted: dict[Path, list[Method]] = {p: [] for p in self.assisted_minions}
-        for name in self.hf_dtypes:
+        assisted: list[Method] = []
+        lookup: list[Method] = []
+        offload_root = self.workdir / "hf-offload" if self.private_packs else HF_OFFLOAD_DIR
+        for name in self.dtypes:
             dtype = compute_dtype(name)
-            offload = HF_OFFLOAD_DIR / f"{self.target.name}-{name}" if self.tier == "disk" else None
+            offload = offload_root / f"{self.target.name}-{name}" if self.tier == "disk" else None
             model = load_hf(self.target, dtype, offload_folder=offload)
             drop = page_cache_dropper(offload, self.target) if offload else None
             where = ", accelerate disk offload" if offload else ""
-            plain += self._threads(HFMethod("hf greedy", model, 1, eos_id=eos, detail=f"{name}{where}",
+            plain += self._threads(HFMethod("hf", model, 1, eos_id=eos, detail=f"{name}{where}", dtype=name,
                                             before_pass=drop))
-            for path in self.assisted_minions:
-                # The target's model object is shared: its page-cache dropper is already hooked.
-                assistant = load_hf(path, dtype)
-                assisted[path] += self._threads(HFMethod(f"hf assisted {path.name}", model, 1, assistant=assistant,
-                                                         eos_id=eos, detail=f"{name}{where}, default schedule"))
-        return [plain, *assisted.values()]
+            # The target's model object is shared: its page-cache dropper is already hooked.
+            assistant = load_hf(self.target, dtype, layers=k)
+            assisted += self._threads(HFMethod(f"hf assisted first-{k}-layers", model, 1, assistant=assistant,
+                                               eos_id=eos, dtype=name,
+                                               detail=f"{name}{where}, the target's first {k} layers + norm + head"))
+            lookup += self._threads(HFMethod("hf prompt-lookup", model, 1, prompt_lookup=PROMPT_LOOKUP_TOKENS,
+                                             eos_id=eos, dtype=name,
+                                             detail=f"{name}{where}, {PROMPT_LOOKUP_TOKENS} tokens"))
+        if self.tier == "disk":
+            self.notes.append(f"transformers: decoder layers offloaded to disk by accelerate (offload folders "
+                              f"under {offload_root}); their page cache is dropped before every pass")
+        return [plain, assisted, lookup]
+
+    def _gguf(self, kind: str) -> Path | None:
+        from minions_local.models.builtin import SMOLLM2, builtin_name
+
+        if kind == "q4_1":
+            if builtin_name(self.target) != SMOLLM2:
+                return None
+            from minions_local.models.smollm2 import shipped_gguf
+
+            return shipped_gguf()
+        from minions_local.backends.gguf_export import export_gguf
+
+        return export_gguf(self.target, self.workdir / f"target-{kind}.gguf", type=kind)
 
     def _llama_cpp(self) -> list[list[Method]]:
-        if not self.llama_cpp:
-            return []
-        if self.tier == "disk":
-            self.notes.append("llama.cpp skipped on the disk tier: it has no layer streaming (mmap reads the whole "
-                              "model into the page cache), so it would run a RAM-tier target")
-            return []
         try:
             import llama_cpp  # noqa: F401
-
-            from minions_local.backends.gguf_export import export_gguf
         except ImportError as err:
-            self.notes.append(f"llama.cpp skipped: {err}")
+            self.notes.append(f"llama.cpp skipped: {err} (scripts/setup.sh installs llama-cpp-python)")
             return []
         plain: list[Method] = []
         lookup: list[Method] = []
+        share = self.llama_memory_share if self.tier == "disk" else None
+        warm = (self.warm_ids * (self.n_ctx // max(1, len(self.warm_ids)) + 1))[: self.n_ctx - 16]
         for kind in self.gguf_types:
-            gguf = export_gguf(self.target, self.workdir / f"target-{kind}.gguf", type=kind)
+            try:
+                gguf = self._gguf(kind)
+            except Exception as err:  # noqa: BLE001 - an export the tokenizer or llama.cpp refuses: skip it
+                self.notes.append(f"llama.cpp {kind} skipped: exporting the target failed: {err}")
+                continue
+            if gguf is None:
+                continue
+            server = LlamaCppServer(gguf, threads=self.threads, n_ctx=self.n_ctx, warm_ids=warm,
+                                    memory_share=share, tag=kind, notes=self.notes)
+            self.servers.append(server)
+            source = "shipped" if kind == "q4_1" else "exported"
             for n in self.threads:
-                plain.append(LlamaCppMethod("llama.cpp", gguf, n, prompt_lookup=False, n_ctx=self.n_ctx, detail=kind))
-                lookup.append(LlamaCppMethod("llama.cpp prompt-lookup", gguf, n, prompt_lookup=True, n_ctx=self.n_ctx,
-                                             detail=f"{kind}, 2-gram, 10 tokens"))
+                plain.append(LlamaCppMethod("llama.cpp", server, n, prompt_lookup=False, dtype=kind,
+                                            detail=f"{kind} ({source})"))
+                lookup.append(LlamaCppMethod("llama.cpp prompt-lookup", server, n, prompt_lookup=True, dtype=kind,
+                                             detail=f"{kind} ({source}), 2-gram, 10 tokens"))
         return [plain, lookup]

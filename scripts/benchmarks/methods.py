@@ -2,15 +2,17 @@
 
 Every method decodes token ids -> token ids from a cold cache (prefill included in
 its time, since transformers and llama.cpp cannot report theirs apart), sets its own
-CPU thread count first, and counts the target's forward passes that produced tokens.
+CPU thread count first, counts the target's forward passes that produced tokens, and
+the bytes its process read from storage meanwhile (/proc/self/io).
 
-- EngineMethod: our engine (autoregressive with no minions, a chain, fixed budgets,
-  the profile's adaptive policy); engines share one loaded target so every variant
-  streams the same layers from the same tier.
-- HFMethod: transformers `generate`, plain or assisted (`assistant_model=`), resident
-  or with accelerate disk offload.
-- LlamaCppMethod: llama-cpp-python on the target exported to GGUF, with or without
-  its prompt-lookup draft.
+- EngineMethod: our engine (autoregressive with no minions, fixed tree sizes, the
+  profile's adaptive policy, with learned selection or all minions); engines of one
+  dtype share one loaded target, so every variant streams the same layers from the
+  same tier.
+- HFMethod: transformers `generate`, plain or assisted (`assistant_model=`, or
+  `prompt_lookup_num_tokens=`), resident or with accelerate disk offload.
+- LlamaCppMethod: llama-cpp-python in a child process (llama_child.py), with or
+  without its prompt-lookup draft.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.llama_child import LlamaCppServer, proc_read_bytes
 from minions_local import Engine
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import BudgetPolicy
@@ -43,6 +46,10 @@ class Run:
     """Our engine's step records (empty for other methods)."""
     prefill_seconds: float = 0.0
     """Our engine's prompt pass (0 for other methods: they cannot report it apart)."""
+    read_bytes: int = 0
+    """Bytes the method's process read from storage during the call (page cache hits not counted)."""
+    streamed_bytes: int = 0
+    """Our engine's target weight bytes streamed during the call, prefill included (0 for others)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,10 +60,14 @@ class Run:
 class Method:
     name: str
     family: str
-    """'autoregressive' | 'transformers' | 'chain' | 'fixed' | 'adaptive' | 'llama.cpp'."""
+    """'autoregressive' | 'fixed' | 'adaptive' | 'adaptive-all' | 'transformers' | 'llama.cpp'."""
     threads: int
     detail: str = ""
     """What else was chosen (dtype, schedule, weight type), for the report."""
+    dtype: str = ""
+    """The compute dtype or weight type this candidate runs in."""
+    weight_bytes: int = 0
+    """The target weights one pass reads, wherever they are (what a RAM-tier pass reads)."""
 
     def run(self, ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
         raise NotImplementedError
@@ -70,8 +81,9 @@ class Method:
 
 
 class EngineMethod(Method):
-    def __init__(self, name: str, family: str, engine: Engine, threads: int, detail: str = "") -> None:
-        super().__init__(name, family, threads, detail)
+    def __init__(self, name: str, family: str, engine: Engine, threads: int, detail: str = "", *,
+                 dtype: str = "", weight_bytes: int = 0) -> None:
+        super().__init__(name, family, threads, detail, dtype, weight_bytes)
         self.engine = engine
         # The tree snapshot is for the TUI's tree view; an API caller does not pay for it.
         engine.decoder.keep_trees = False
@@ -83,10 +95,13 @@ class EngineMethod(Method):
         # exactly, which accepts less when sampling. Seeding Python's RNG instead makes
         # the request's own random stream (and so this run) repeatable.
         random.seed(seed)
+        target = self.engine.decoder.target
+        streamed, read = target.bytes_streamed(), proc_read_bytes()
         start = time.perf_counter()
         out = self.engine.generate(ids, max_new_tokens=max_new, temperature=temperature)
         seconds = time.perf_counter() - start
-        return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps), out.prefill_seconds)
+        return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps), out.prefill_seconds,
+                   read_bytes=proc_read_bytes() - read, streamed_bytes=target.bytes_streamed() - streamed)
 
 
 def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy, selection: str = "learned") -> Engine:
@@ -107,11 +122,12 @@ class _PassCounter:
 
 
 class HFMethod(Method):
-    def __init__(self, name: str, model, threads: int, *, assistant=None, eos_id: int | None = None,
-                 detail: str = "", before_pass=None) -> None:
-        super().__init__(name, "transformers", threads, detail)
+    def __init__(self, name: str, model, threads: int, *, assistant=None, prompt_lookup: int = 0,
+                 eos_id: int | None = None, detail: str = "", dtype: str = "", before_pass=None) -> None:
+        super().__init__(name, "transformers", threads, detail, dtype, param_bytes(model))
         self.model = model
         self.assistant = assistant
+        self.prompt_lookup = prompt_lookup
         self.eos_id = eos_id
         self.counter = _PassCounter(model)
         if before_pass is not None:
@@ -123,29 +139,55 @@ class HFMethod(Method):
         input_ids = torch.tensor([ids])
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
             else dict(do_sample=False)
-        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
-        before = self.counter.count
+        extra: dict[str, Any] = {}
+        if self.assistant is not None:
+            extra["assistant_model"] = self.assistant
+        if self.prompt_lookup:
+            extra["prompt_lookup_num_tokens"] = self.prompt_lookup
+        before, read = self.counter.count, proc_read_bytes()
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
                                       pad_token_id=self.eos_id, eos_token_id=self.eos_id, **sampling, **extra)
         seconds = time.perf_counter() - start
-        return Run(out[0, len(ids):].tolist(), seconds, self.counter.count - before)
+        return Run(out[0, len(ids):].tolist(), seconds, self.counter.count - before,
+                   read_bytes=proc_read_bytes() - read)
 
 
-def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = None):
-    """A transformers model, resident, or with its decoder layers offloaded to disk by accelerate."""
+def param_bytes(model) -> int:
+    """Bytes of a model's weights in their compute dtype (offloaded ones included: the
+    meta-device placeholders keep their shape and dtype)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:  # tied embeddings count once
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = None, layers: int | None = None):
+    """A transformers model, resident, or with its decoder layers offloaded to disk by
+    accelerate. layers=K: only the first K decoder layers, then the model's own final
+    norm and head (a truncated copy of the model, built from its own weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    if offload_folder is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    layers = AutoConfig.from_pretrained(path).num_hidden_layers
-    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    device_map.update({f"model.layers.{i}": "disk" for i in range(layers)})
-    offload_folder.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                 offload_folder=str(offload_folder))
-    return model.eval()
+    options: dict[str, Any] = {"dtype": dtype}
+    if layers is not None:
+        options["num_hidden_layers"] = layers
+    if offload_folder is not None:
+        count = AutoConfig.from_pretrained(path).num_hidden_layers if layers is None else layers
+        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        device_map.update({f"model.layers.{i}": "disk" for i in range(count)})
+        offload_folder.mkdir(parents=True, exist_ok=True)
+        options.update(device_map=device_map, offload_folder=str(offload_folder))
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a truncated copy lists every skipped layer tensor as UNEXPECTED
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **options).eval()
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def page_cache_dropper(*folders: Path):
@@ -168,38 +210,14 @@ def page_cache_dropper(*folders: Path):
 
 
 class LlamaCppMethod(Method):
-    def __init__(self, name: str, gguf: Path, threads: int, *, prompt_lookup: bool, n_ctx: int,
-                 detail: str = "") -> None:
-        super().__init__(name, "llama.cpp", threads, detail)
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    """One (threads, prompt lookup) variant served by a llama.cpp child."""
 
-        draft = LlamaPromptLookupDecoding() if prompt_lookup else None  # its defaults: 2-gram, 10 tokens
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, verbose=False)
-        self.eos_id = self.llm.token_eos()
-        self.passes = 0
-        evaluate = self.llm.eval
-
-        def counting_eval(tokens):
-            self.passes += 1
-            return evaluate(tokens)
-
-        self.llm.eval = counting_eval  # generate() calls self.eval once per pass
-
-    def variant(self, **changes: Any) -> "Method":
-        raise NotImplementedError("llama.cpp fixes its thread count when loading: build another instance")
+    def __init__(self, name: str, server: LlamaCppServer, threads: int, *, prompt_lookup: bool,
+                 detail: str = "", dtype: str = "") -> None:
+        super().__init__(name, "llama.cpp", threads, detail, dtype, server.file_bytes)
+        self.server = server
+        self.prompt_lookup = prompt_lookup
 
     def run(self, ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
-        self.llm.reset()
-        self.llm.set_seed(seed)
-        self.passes = 0
-        out: list[int] = []
-        start = time.perf_counter()
-        # top_k 0 / top_p 1 / min_p 0: sample from the plain tempered distribution, like the others.
-        for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-            out.append(token)
-            if token == self.eos_id or len(out) >= max_new:
-                break
-        seconds = time.perf_counter() - start
-        return Run(out, seconds, self.passes)
+        out = self.server.run(self.threads, self.prompt_lookup, ids, max_new, temperature, seed)
+        return Run(out["tokens"], out["seconds"], out["passes"], read_bytes=out["read_bytes"])

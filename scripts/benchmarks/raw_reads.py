@@ -1,19 +1,22 @@
-"""The streaming benchmark's raw-speed yardstick: whole files read with O_DIRECT.
+"""The raw-speed yardstick of the benchmarks: whole files read with O_DIRECT.
 
 Nothing else runs while it reads, so it says what the disk gives; bench_stream.py
-divides the layer pipeline's achieved speed by it (stream efficiency).
+divides the layer pipeline's achieved speed by it (stream efficiency), and bench.py
+turns it into the physical bound of a disk-tier method (tokens per pass x raw read
+bandwidth / bytes read per pass).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from minions_local.offload.disk import READ_CHUNK, open_direct
-from minions_local.offload.layout import BLOCK, round_up
+from minions_local.offload.layout import BLOCK, aligned_empty, round_up
 
 
 def read_files_direct(paths: list[Path], buffers: list[torch.Tensor], *,
@@ -63,3 +66,27 @@ def read_files_direct(paths: list[Path], buffers: list[torch.Tensor], *,
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def stream_pack_files(model) -> tuple[list[Path], int]:
+    """The layer pack files a disk-tier model streams, in pass order ([] when none), and
+    how many reader threads its pipeline reads them with."""
+    from minions_local.offload.binding import layer_store
+
+    store = layer_store(model)
+    if store is None:
+        return [], 1
+    return [s.reader.pack.path for s in store.sources if getattr(s, "tier", "") == "disk"], store.readers
+
+
+def raw_read_gbps(paths: list[Path], readers: int) -> float:
+    """GB/s of one O_DIRECT read of `paths`: the better of one sequential reader and
+    `readers` parallel ones (the disk tier reads a layer as that many range reads)."""
+    best = 0.0
+    for count in sorted({1, max(1, readers)}):
+        buffers = [aligned_empty(READ_CHUNK) for _ in range(count)]
+        start = time.perf_counter()
+        moved = read_files_direct(paths, buffers)
+        seconds = time.perf_counter() - start
+        best = max(best, moved / seconds / 1e9 if seconds > 0 else 0.0)
+    return best

@@ -1,65 +1,193 @@
-"""The benchmark's machinery on tiny random stand-ins: every method runs, the figures
-are consistent, and the JSON line has what the issue asks for."""
+"""The chat benchmark's machinery on tiny random stand-ins: every method runs, the
+figures are consistent and taken against the same run's baseline, and the JSON line
+has what issue 14 asks for."""
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
-from benchmarks.methods import Run
-from benchmarks.report import goal_checks, prediction_errors, summarize
+import pytest
+from benchmarks.chat_prompts import CHAT_PROMPTS, calibration_prompt, chat_prompts
+from benchmarks.llama_child import MethodFailed
+from benchmarks.memlimit import ROOT, MemoryGroup, NoMemoryGroup
+from benchmarks.methods import Method, Run
+from benchmarks.report import (bytes_per_pass, goal_checks, physical_bound, prediction_errors, stream_efficiency,
+                               summarize)
+from benchmarks.rounds import calibrate, interleaved
 
 from minions_local.core.events import StepRecord
+
+JSON_KEYS = ("profile", "tier", "prompts", "ratios", "tokens_per_pass", "tokens_per_s", "bytes_per_pass",
+             "raw_read_gbps", "stream_efficiency", "physical_bound_tokens_per_s", "adaptive_vs_best_fixed",
+             "best_fixed", "step_time_prediction_error", "prediction_error", "calibration", "methods", "goals",
+             "accepted_histogram", "notes", "failures", "plot")
 
 
 def test_bench_tiny_end_to_end(tmp_path, capsys):
     import bench  # sets its environment defaults (offline hub, passive OpenMP) on import
 
     assert bench.main(["--tiny", "--out", str(tmp_path)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    result = json.loads(last)
-    for key in ("profile", "tier", "prompts", "methods", "goals", "prediction_error", "accepted_histogram",
-                "best_transformers", "best_fixed", "plot", "standins"):
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    for key in JSON_KEYS:
         assert key in result, key
+    assert result["tier"] == "disk" and result["modes"] == ["greedy", "sampled"]
     methods = result["methods"]
     families = {m["family"] for m in methods.values()}
-    assert {"autoregressive", "transformers", "chain", "fixed", "adaptive"} <= families
-    assert methods["autoregressive"]["all"]["vs_autoregressive"] == 1.0
+    assert {"autoregressive", "adaptive", "adaptive-all", "fixed", "transformers"} <= families
+    assert {"hf", "hf prompt-lookup"} <= set(methods) and any(n.startswith("hf assisted") for n in methods)
+    try:
+        import llama_cpp  # noqa: F401
+
+        assert {"llama.cpp", "llama.cpp prompt-lookup"} <= set(methods)
+        assert any("memory group" in n or "WITHOUT a memory limit" in n for n in result["notes"])
+    except ImportError:
+        assert any("llama.cpp skipped" in n for n in result["notes"])
+    for mode in ("greedy", "sampled", "all"):
+        assert result["ratios"][mode]["autoregressive"] == 1.0
     for name, m in methods.items():
+        assert m["bytes_per_pass"] >= 0 and m["threads"] == 1 and m["dtype"]
         for mode in ("greedy", "sampled", "all"):
             assert m[mode]["tokens"] > 0 and m[mode]["passes"] > 0, (name, mode)
-        if m["family"] in ("chain", "fixed", "adaptive"):
+            assert result["ratios"][mode][name] == m[mode]["vs_autoregressive"]
+        if m["family"] in ("autoregressive", "fixed", "adaptive", "adaptive-all"):
             assert m["greedy"]["greedy_identical"] == 1.0, name  # lossless: the target's own tokens
-    assert set(result["goals"]) == {"disk_vs_autoregressive", "ram_vs_best_transformers", "adaptive_vs_best_fixed",
-                                    "step_time_prediction_error"}
+            assert m["bytes_per_pass"] > 0, name  # every layer streams from the run's own packs
+    assert result["raw_read_gbps"] > 0 and result["stream_efficiency"]["efficiency"] > 0
+    assert result["goals"]["adaptive_vs_best_fixed"]["value"] == result["adaptive_vs_best_fixed"]
     assert Path(result["plot"]).is_file() and Path(result["plot"]).stat().st_size > 0
+    assert "bound tok/s" in "\n".join(out)  # the human table came first
+    assert not list(ROOT.glob(f"minions-bench-{os.getpid()}-*"))  # its memory groups are gone
 
 
-def _run(tokens: int, seconds: float, passes: int, steps=()) -> Run:
-    return Run(list(range(tokens)), seconds, passes, list(steps))
+def test_chat_prompts_are_varied_and_go_through_the_template():
+    kinds = {kind for kind, _ in CHAT_PROMPTS}
+    assert len(CHAT_PROMPTS) >= 8 and {"explanation", "code", "list", "letter", "summary"} <= kinds
+
+    class Templated:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+            assert add_generation_prompt and tokenize and not return_dict
+            return [7, len(messages[0]["content"])]
+
+    class Plain:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens):
+            return [len(text)]
+
+    prompts = chat_prompts(Templated(), 8)
+    assert [p.ids for p in prompts] == [[7, len(text)] for _, text in CHAT_PROMPTS[:8]]
+    assert chat_prompts(Plain(), 1)[0].ids == [len(f"User: {CHAT_PROMPTS[0][1]}\nAssistant:")]
+    assert calibration_prompt(Plain()).text not in {text for _, text in CHAT_PROMPTS}  # never measured
+    with pytest.raises(ValueError, match="--prompts"):
+        chat_prompts(Plain(), len(CHAT_PROMPTS) + 1)
+
+
+def _run(tokens: int, seconds: float, passes: int, steps=(), **extra) -> Run:
+    return Run(list(range(tokens)), seconds, passes, list(steps), **extra)
+
+
+class _M(Method):
+    """A method whose runs take a fixed time (or fail)."""
+
+    def __init__(self, name, family, seconds=1.0, dtype="bf16", threads=1, fail=False):
+        super().__init__(name, family, threads, "", dtype, 1000)
+        self.seconds, self.fail, self.calls = seconds, fail, 0
+
+    def run(self, ids, max_new, temperature, seed):
+        self.calls += 1
+        if self.fail:
+            raise MethodFailed("killed")
+        return _run(max_new, self.seconds, max_new)
 
 
 def test_ratios_are_per_round_and_goals_read_them():
-    class M:
-        def __init__(self, name, family):
-            self.name, self.family, self.threads, self.detail = name, family, 1, ""
-
-    methods = [M("autoregressive", "autoregressive"), M("hf", "transformers"), M("fixed 8", "fixed"),
-               M("adaptive", "adaptive")]
+    methods = [_M("autoregressive", "autoregressive"), _M("hf", "transformers"), _M("fixed 8", "fixed"),
+               _M("adaptive", "adaptive"), _M("all", "adaptive-all"), _M("llama.cpp", "llama.cpp")]
     # Round 2 runs on a machine 4x slower: the ratios must not notice.
     rounds = [
-        {"autoregressive": _run(10, 1.0, 10), "hf": _run(10, 0.5, 10), "fixed 8": _run(10, 0.25, 4),
-         "adaptive": _run(10, 0.2, 3)},
-        {"autoregressive": _run(10, 4.0, 10), "hf": _run(10, 2.0, 10), "fixed 8": _run(10, 1.0, 4),
-         "adaptive": _run(10, 0.8, 3)},
+        {"autoregressive": _run(10, 1.0, 10), "hf": _run(10, 2.0, 10), "fixed 8": _run(10, 0.25, 4),
+         "adaptive": _run(10, 0.125, 2), "all": _run(10, 0.25, 2), "llama.cpp": _run(10, 0.1, 10)},
+        {"autoregressive": _run(10, 4.0, 10), "hf": _run(10, 8.0, 10), "fixed 8": _run(10, 1.0, 4),
+         "adaptive": _run(10, 0.5, 2), "all": _run(10, 1.0, 2), "llama.cpp": _run(10, 0.4, 10)},
     ]
     summary = summarize(rounds, ["greedy", "sampled"])
-    assert abs(summary["adaptive"]["all"].vs_baseline - 5.0) < 1e-9
-    assert abs(summary["hf"]["all"].vs_baseline - 2.0) < 1e-9
+    assert abs(summary["adaptive"]["all"].vs_baseline - 8.0) < 1e-9
+    assert abs(summary["hf"]["all"].vs_baseline - 0.5) < 1e-9
     step = StepRecord(tree_size=8, accepted=2, t_grow=0.01, t_verify=0.09, predicted_t_verify=0.1,
                       predicted_t_grow=0.01)
     errors = prediction_errors([_run(3, 0.1, 1, [step])])
     assert abs(errors["step"] - 0.1) < 1e-3
-    goals = goal_checks("ram", summary, methods, errors)
-    assert goals["ram_vs_best_transformers"]["value"] == 2.5 and goals["ram_vs_best_transformers"]["passed"]
-    assert goals["disk_vs_autoregressive"]["passed"] is None  # not this tier
-    assert goals["adaptive_vs_best_fixed"]["value"] == 1.25
+    goals = goal_checks("disk", summary, methods, errors, 0.9)
+    assert goals["disk_greedy_vs_autoregressive"]["value"] == 8.0 and goals["disk_greedy_vs_autoregressive"]["passed"]
+    assert goals["greedy_tokens_per_pass"]["value"] == 5.0 and goals["greedy_tokens_per_pass"]["passed"] is False
+    assert goals["disk_vs_accelerate_offload"]["value"] == 16.0 and goals["disk_vs_accelerate_offload"]["passed"]
+    assert goals["adaptive_vs_best_fixed"]["value"] == 2.0
+    assert goals["learned_selection_vs_all_minions"]["value"] == 2.0
+    assert goals["autoregressive_stream_efficiency"]["passed"]
     assert goals["step_time_prediction_error"]["passed"]
+    assert goals["vs_llama_cpp"] == {"value": 0.8, "goal": None, "passed": None, "applies": True,
+                                     "best_llama_cpp": "llama.cpp"}
+    ram = goal_checks("ram", summary, methods, errors, None)
+    assert ram["disk_greedy_vs_autoregressive"]["passed"] is None  # not this tier
+
+
+def test_bytes_per_pass_bound_and_stream_efficiency():
+    ours, peer = _M("adaptive", "adaptive"), _M("hf", "transformers")
+    steps = [StepRecord(tree_size=4, accepted=1, t_grow=0, t_verify=0.1, bytes_streamed=200)] * 3
+    assert bytes_per_pass(ours, [_run(6, 1.0, 3, steps)], "disk") == 200  # its own stream count
+    assert bytes_per_pass(peer, [_run(6, 1.0, 3, read_bytes=900)], "disk") == 300  # what its process read
+    assert bytes_per_pass(peer, [_run(6, 1.0, 3, read_bytes=900)], "ram") == 1000  # its weights, from RAM
+    assert physical_bound(3.0, 2.0, 10**9) == 6.0 and physical_bound(3.0, None, 10**9) is None
+    eff = stream_efficiency([_run(4, 2.0, 4, streamed_bytes=2 * 10**9)], 2.0)
+    assert eff == {"achieved_gbps": 1.0, "raw_read_gbps": 2.0, "efficiency": 0.5}
+
+
+def test_calibration_keeps_each_methods_fastest_candidate():
+    slow, fast = _M("ar", "autoregressive", 2.0, "fp32", 1), _M("ar", "autoregressive", 1.0, "bf16", 2)
+    broken, working = _M("llama", "llama.cpp", 0.1, "q4_1", fail=True), _M("llama", "llama.cpp", 3.0, "f16")
+    dead = [_M("dead", "llama.cpp", fail=True), _M("dead", "llama.cpp", fail=True)]
+    chosen, table = calibrate([[slow, fast], [broken, working], dead], [1], 4, 2, lambda msg: None)
+    assert chosen == [fast, working]  # a group whose every candidate failed is left out
+    assert table["ar"] == {"fp32/1t": 500.0, "bf16/2t": 250.0} and table["llama"] == {"f16/1t": 750.0}
+    assert broken.calls == 1  # a failed candidate is not tried again
+
+
+def test_rounds_rotate_and_drop_a_failing_peer():
+    class P:
+        source, ids = "p", [1]
+
+    ar, ok, bad = _M("autoregressive", "autoregressive"), _M("ok", "fixed"), _M("bad", "llama.cpp", fail=True)
+    failures: list[str] = []
+    rounds, modes = interleaved([ar, ok, bad], [P(), P()], ["greedy", "sampled"], 4, lambda msg: None, failures)
+    assert modes == ["greedy", "sampled"] * 2 and len(rounds) == 4
+    assert bad.calls == 1 and len(failures) == 1 and "bad" in failures[0]
+    assert all(set(r) == {"autoregressive", "ok"} for r in rounds)
+    summary = summarize(rounds, modes)
+    assert "bad" not in summary and summary["ok"]["all"].vs_baseline == 1.0
+
+
+def test_memory_group_refused_where_there_is_no_controller(tmp_path):
+    with pytest.raises(NoMemoryGroup, match="no cgroup v1 memory controller"):
+        MemoryGroup.create("x", root=tmp_path)
+
+
+@pytest.mark.skipif(not os.access(ROOT, os.W_OK) or not (ROOT / "memory.limit_in_bytes").is_file(),
+                    reason="needs root and a writable cgroup v1 memory controller")
+def test_memory_group_holds_a_child_under_its_limit_and_goes_away():
+    group = MemoryGroup.create(f"minions-bench-test-{os.getpid()}")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        group.add(child.pid)
+        assert str(child.pid) in (group.path / "cgroup.procs").read_text().split()
+        group.set_limit(64 << 20)
+        assert group.limit == 64 << 20 and group.usage <= group.limit
+        assert not group.oom_killed()
+    finally:
+        child.kill()
+        child.wait()
+        group.remove()
+    assert not group.path.exists()

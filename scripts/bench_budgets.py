@@ -1,6 +1,6 @@
 """Tokens per target pass and speed of our engine's budget policies, decode only.
 
-    python scripts/bench_budgets.py [--profile cpu-demo|cpu-demo-disk] [--prompts 6] [--tokens 128]
+    python scripts/bench_budgets.py [--profile stdlib-demo|stdlib-demo-disk] [--prompts 6] [--tokens 128]
 
 Where `bench.py` compares against other systems (cold calls, prefill included), this
 isolates the engine: the same loaded profile, the same held-out third-party prompts,
@@ -43,7 +43,9 @@ def build_engines(profile: str) -> dict[str, Engine]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", default="cpu-demo", help="cpu-demo (RAM tier) or cpu-demo-disk")
+    parser.add_argument("--profile", default="stdlib-demo",
+                        help="stdlib-demo (RAM tier) or stdlib-demo-disk: the stdlib family, whose three minions "
+                             "'defaults' loads")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--threads", type=int, default=1,

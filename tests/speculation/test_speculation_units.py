@@ -186,70 +186,103 @@ def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behi
         assert minion.thread is not threading.main_thread()
 
 
+class ChainPolicy:
+    """Every step: 8 nodes, 2 levels for model minions, 8 for free-depth ones."""
+
+    def choose(self, remaining, regime="greedy"):
+        from minions_local.speculation.budget import StepBudget
+
+        return StepBudget(nodes=8, depth=2, width=4, depth_cap=8)
+
+    def observe(self, record):
+        pass
+
+
+class ChainMinion:
+    """Proposes the chain 10, 11, 12, ... as deep as allowed (or nothing when silent)."""
+
+    vocab_size = 50
+
+    def __init__(self, name, free=False, silent=False):
+        self.name, self.depth_is_free, self.silent, self.seen = name, free, silent, []
+
+    def prefill(self, context):
+        pass
+
+    def grow(self, context, budget):
+        self.seen.append(budget.max_depth)
+        tree = CandidateTree()
+        parent = -1
+        for i in range(0 if self.silent else budget.max_depth):
+            parent = tree.add(10 + i, parent, -0.01 * (i + 1))
+        return tree
+
+    def commit(self, accepted):
+        pass
+
+    def reset(self):
+        pass
+
+
+class ChainTarget:
+    """Follows the chain 10, 11, 12, ... whatever the tree."""
+
+    vocab_size = 50
+
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+
+    def prefill(self, context):
+        pass
+
+    def reset(self):
+        pass
+
+    def bytes_streamed(self):
+        return 0
+
+    def verify(self, context, tree):
+        import torch
+
+        logits = torch.zeros(len(tree), 50)
+        for i in range(len(tree)):
+            logits[i, 10 + tree.depths[i]] = 1.0
+        return logits
+
+    def commit(self, tree, path):
+        pass
+
+
 def test_a_minion_whose_depth_is_free_grows_to_the_steps_depth_cap():
     """The depth budget bounds the model minions' passes; the n-gram minion pays
     nothing per level and follows a long repeat as far as the step allows."""
-    import torch
-
     from minions_local.core import protocols
     from minions_local.core.protocols import Minion
-    from minions_local.speculation.budget import StepBudget
     from minions_local.speculation.decode import Decoder
 
-    class Policy:
-        def choose(self, remaining, regime="greedy"):
-            return StepBudget(nodes=8, depth=2, width=4, depth_cap=8)
-
-        def observe(self, record):
-            pass
-
-    class Recorder:
-        vocab_size = 50
-
-        def __init__(self, name, free):
-            self.name, self.depth_is_free, self.seen = name, free, []
-
-        def prefill(self, context):
-            pass
-
-        def grow(self, context, budget):
-            self.seen.append(budget.max_depth)
-            tree = CandidateTree()
-            parent = -1
-            for i in range(budget.max_depth):
-                parent = tree.add(10 + i, parent, -0.01 * (i + 1))
-            return tree
-
-        def commit(self, accepted):
-            pass
-
-        def reset(self):
-            pass
-
-    class Target:
-        device, vocab_size = torch.device("cpu"), 50
-
-        def prefill(self, context):
-            pass
-
-        def reset(self):
-            pass
-
-        def bytes_streamed(self):
-            return 0
-
-        def verify(self, context, tree):
-            logits = torch.zeros(len(tree), 50)
-            for i in range(len(tree)):
-                logits[i, 10 + tree.depths[i]] = 1.0  # the target follows the chain 10, 11, 12, ...
-            return logits
-
-        def commit(self, tree, path):
-            pass
-
-    model, ngram = Recorder("model", False), Recorder("ngram", True)
-    assert isinstance(model, Minion) and isinstance(Target(), protocols.Target)
-    decoder = Decoder(Target(), [model, ngram], Policy(), selection="all")
+    model, ngram = ChainMinion("model"), ChainMinion("ngram", free=True)
+    assert isinstance(model, Minion) and isinstance(ChainTarget(), protocols.Target)
+    decoder = Decoder(ChainTarget(), [model, ngram], ChainPolicy(), selection="all")
     result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
     assert model.seen == [2] and ngram.seen == [8]
     assert result.record.accepted == 8  # the deep chain survived the vote's selection
+
+
+def test_a_benched_minion_grows_when_nobody_else_proposed_anything():
+    """An empty tree spends a whole target pass on one token: when the minions that
+    ran proposed nothing, the cheapest benched one grows after all."""
+    from minions_local.speculation.decode import Decoder
+
+    silent, model = ChainMinion("ngram", silent=True), ChainMinion("model")
+    decoder = Decoder(ChainTarget(), [silent, model], ChainPolicy(), selection="learned")
+    selector = decoder.selector("greedy")
+    selector.seconds_per_token = 0.001  # the model minion costs far more than it adds
+    bench = selector.stats[1]
+    bench.cost, bench.marginal, bench.skipped, bench.backoff = 1.0, 0.0, 0, 32
+    selector.stats[0].cost = 0.0
+    assert selector.choose() == [True, False]
+    result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
+    assert silent.seen == [2] and model.seen == [2]
+    assert result.record.accepted == 2 and result.record.minion_accepted == {"ngram": 0, "model": 2}

@@ -30,7 +30,7 @@ from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
-from minions_local.speculation.selection import MinionSelector, minion_estimate
+from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
 
 T = TypeVar("T")
@@ -153,7 +153,7 @@ class Decoder:
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         for m in self.minions:
             m.commit(tokens)
-        contributed = selector.observe(tree, path, growth.ran, growth.seconds, t2 - t0, len(tokens))
+        contributed = selector.observe(tree, path, growth.proposals, growth.seconds, t2 - t0, len(tokens))
         grown = self._of_those_that_ran(growth, growth.allowed)
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
@@ -188,7 +188,7 @@ class Decoder:
             if not chosen[m] or not selector.still_needed(m, expected):
                 continue
             self._grow_one(m, context, budgets[m], growth)
-            expected = max(expected, minion_estimate(growth.proposals[m]))
+            expected = max(expected, selector.expected(m, growth.proposals[m]))
         if draws is None and not any(growth.proposals[m] for m in growth.run_order):
             # Nobody proposed anything (the n-gram minion found no repeat, say) while a
             # minion sits out: an empty tree spends a whole target pass on one token, so

@@ -37,6 +37,9 @@ class MinionStats:
     evidence that this one is redundant."""
     cost: float | None = None
     """EMA of this minion's grow() seconds."""
+    calibration: float = 1.0
+    """EMA of accepted tokens per token its own probabilities expected: how far to
+    trust its proposals' self-estimate (an early-exit draft is confidently wrong)."""
     skipped: int = 0
     """Consecutive steps skipped."""
     backoff: int = 4
@@ -94,10 +97,16 @@ class MinionSelector:
             return list(range(len(self.stats)))
         return sorted(range(len(self.stats)), key=lambda m: self.stats[m].cost or 0.0)
 
+    def expected(self, m: int, proposal: CandidateTree) -> float:
+        """Accepted tokens to expect from minion m's proposal: its own estimate, scaled
+        by how well its estimates came true so far."""
+        return minion_estimate(proposal) * self.stats[m].calibration
+
     def still_needed(self, m: int, expected_so_far: float) -> bool:
         """Per-context choice (SPIN): when the trees grown so far already expect more
-        accepted tokens than minion m usually delivers (a long n-gram match, say),
-        m's time is better saved this step. Such a step is not held against it."""
+        accepted tokens (calibrated, see `expected`) than minion m usually delivers (a
+        long n-gram match, say), m's time is better saved this step. Such a step is not
+        held against it."""
         if not self.adaptive or expected_so_far <= self.stats[m].record:
             return True
         self._deferred.add(m)
@@ -110,10 +119,12 @@ class MinionSelector:
             return True
         return s.skipped + 1 >= s.backoff
 
-    def observe(self, tree: TokenTree, path: list[int], ran: list[bool], grow_seconds: list[float],
-                step_seconds: float, new_tokens: int) -> list[int]:
-        """Learn from one verified step; returns each minion's accepted-token count."""
+    def observe(self, tree: TokenTree, path: list[int], proposals: list[CandidateTree | None],
+                grow_seconds: list[float], step_seconds: float, new_tokens: int) -> list[int]:
+        """Learn from one verified step (None: that minion did not grow); returns each
+        minion's accepted-token count."""
         counts = contributions(tree, path, len(self.stats))
+        ran = [p is not None for p in proposals]
         self.seconds_per_token = _ema(self.seconds_per_token, step_seconds / max(new_tokens, 1), self.decay)
         deferred, self._deferred = self._deferred, set()
         for m, s in enumerate(self.stats):
@@ -125,6 +136,10 @@ class MinionSelector:
             s.record = _ema(s.record, counts[m], self.decay)
             s.marginal = _ema(s.marginal, marginal_tokens(tree, path, m), self.decay)
             s.cost = _ema(s.cost, grow_seconds[m], self.decay)
+            estimate = minion_estimate(proposals[m])
+            if estimate > 0:
+                # Capped: one lucky step of a humble minion must not make it an oracle.
+                s.calibration = _ema(s.calibration, min(counts[m] / estimate, 2.0), self.decay)
             if retried:  # it was retried after a pause: is it worth its time now?
                 # Judged on the averages, not this one step: one lucky step of a slow
                 # minion must not bring back a run of costly steps (measured: retries

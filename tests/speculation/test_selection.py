@@ -37,7 +37,7 @@ def simulate(selector, steps, quality, cost, rng):
         tree = merge_greedy(1, proposals, selector.weights())
         path = accepted_path(tree, truth)
         grow = [c if r else 0.0 for c, r in zip(cost, ran)]
-        selector.observe(tree, path, ran, grow, sum(grow) + 0.05, len(path))
+        selector.observe(tree, path, proposals, grow, sum(grow) + 0.05, len(path))
         runs = [n + r for n, r in zip(runs, ran)]
     return runs
 
@@ -83,5 +83,23 @@ def test_costly_minion_defers_to_a_confident_cheap_one():
     assert not selector.still_needed(0, minion_estimate(confident))
     assert selector.still_needed(0, minion_estimate(chain([5], p=0.3)))
     tree = merge_greedy(1, [None, confident], [1.0, 1.0])
-    selector.observe(tree, [0], [False, True], [0.0, 0.0002], 0.03, 1)
+    selector.observe(tree, [0], [None, confident], [0.0, 0.0002], 0.03, 1)
     assert selector.stats[0].skipped == 0  # a deferral is not a cost-based skip
+
+
+def test_a_confidently_wrong_minion_stops_deferring_the_good_one():
+    """An early-exit draft that is sure of wrong tokens must not keep the minion that
+    is right from running: what a minion's proposals expect is scaled by how often its
+    expectations came true."""
+    selector = MinionSelector(["substitute", "early-exit"])
+    selector.stats[0].cost, selector.stats[1].cost = 0.02, 0.001
+    selector.stats[0].record = 3.0
+    truth = [100, 101, 102, 103, 104, 105]
+    wrong = chain([200, 201, 202, 203, 204, 205], p=0.95)
+    assert not selector.still_needed(0, selector.expected(1, wrong))  # trusted while unmeasured
+    for _ in range(20):
+        proposals = [chain(truth), chain([200, 201, 202, 203, 204, 205], p=0.95)]
+        tree = merge_greedy(1, proposals, selector.weights())
+        selector.observe(tree, accepted_path(tree, truth), proposals, [0.02, 0.001], 0.1, 7)
+    assert selector.stats[1].calibration < 0.05
+    assert selector.still_needed(0, selector.expected(1, wrong))

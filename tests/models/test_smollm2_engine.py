@@ -54,8 +54,15 @@ def test_disk_tier_with_every_minion_kind_equals_autoregressive(reference, tmp_p
     from minions_local.engine import Engine
     from minions_local.engine.from_profile import engine_kwargs_from_profile
 
+    from minions_local.engine.loading import MinionSpec
+
     kwargs = engine_kwargs_from_profile("cpu-demo-disk", dtype="float32")
     kwargs["stream_options"] = {**kwargs["stream_options"], "cache_dir": str(tmp_path)}
+    # The profile leaves the self-draft out (it does not pay without an adapter); the
+    # identity must hold with every kind.
+    substitute, ngram = kwargs["minions"]
+    self_draft = MinionSpec(path=substitute.path, kind="self_draft", layers=8)
+    kwargs["minions"] = [substitute, self_draft, ngram]
     engine = Engine.from_pretrained(**kwargs)
     assert engine.minion_names == ["q3_k_m", "self-draft-8", "ngram"]
     assert engine.decoder.target.bytes_streamed() > 0  # the load-time check ran streamed passes

@@ -62,10 +62,12 @@ class Frontier:
         """Move the best candidates (one pass's worth, as many as fit) into the tree;
         returns their node ids, a contiguous range."""
         batch: list[int] = []
-        # The room is re-read as the batch fills, so a batch takes at most half the room
-        # left: 32 nodes at width 4 take batches of 4 x7, 2, 1, 1 (ten, not eight). Kept
-        # as the minions always grew; speculation/budget.grow_shape assumes eight.
-        while self._heap and len(batch) < min(self.budget.width, self.budget.max_nodes - len(self.tree)):
+        # The room is read once: re-read as the batch filled, it let a batch take at most
+        # half the room left, so 32 nodes at width 8 took 8, 8, 8, 4, 2, 1, 1 (seven
+        # passes, not the four that speculation/budget.grow_shape assumes), and a pass of
+        # a memory-bound llama.cpp minion costs ~9 ms however few tokens it runs.
+        size = min(self.budget.width, self.budget.max_nodes - len(self.tree))
+        while self._heap and len(batch) < size:
             neg_priority, _, parent, token, lp, depth = heapq.heappop(self._heap)
             batch.append(self.tree.add(token, parent, lp))
             self._priorities.append(-neg_priority)

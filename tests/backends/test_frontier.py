@@ -41,3 +41,14 @@ def test_room_and_depth_limits():
     assert frontier.take() == [2]  # the width would allow 2, the tree has room for 1
     assert frontier.tree_full and not frontier.can_take()
     assert not frontier.may_expand(0)  # depth 1 is the limit
+
+
+def test_a_tree_fills_in_full_width_batches():
+    """32 nodes at width 8 take four passes, as the cost model's grow shape assumes."""
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=32, max_depth=8, width=8))
+    frontier.offer(-1, [(t, -0.1 * t) for t in range(40)])
+    sizes = []
+    while frontier.can_take():
+        sizes.append(len(frontier.take()))
+    assert sizes == [8, 8, 8, 8]

@@ -159,6 +159,14 @@ def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started:
         state = {True: "PASS", False: "FAIL", None: "n/a"}[check["passed"]]
         print(f"goal {key}: {check['value']} (goal {check['goal']}) {state}")
     print(f"prediction error (median, relative): {errors}")
+    if tier == "disk":
+        for m in methods:
+            if m.family == "llama.cpp" and m.name in nbytes:
+                lineup.notes.append(f"{m.name} read {nbytes[m.name] / 1e6:.0f} MB per pass from disk of its "
+                                    f"{m.weight_bytes / 1e6:.0f} MB model ({m.dtype}); the rest came from the page "
+                                    f"cache its memory group may keep")
+    lineup.notes.append("'= AR greedy': greedy runs token-identical to the autoregressive run; a method in another "
+                        "dtype, or bf16 tree passes flipping near-ties, can differ without being wrong")
     for note in [*lineup.notes, *failures]:
         print(f"note: {note}")
     print(f"plot: {plot}")
@@ -183,6 +191,7 @@ def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started:
         "best_fixed": goals["adaptive_vs_best_fixed"]["best_fixed"],
         "step_time_prediction_error": errors["step"], "prediction_error": errors,
         "calibration": calibration, "methods": report.as_json(summary, methods, nbytes, bounds),
+        "llama_cpp": [server.describe() for server in lineup.servers],
         "time_split": splits, "accepted_histogram": report.histogram(accepted), "goals": goals,
         "notes": lineup.notes, "failures": failures, "plot": str(plot),
         "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,

@@ -37,6 +37,26 @@ PROMPT_LOOKUP_TOKENS = 10
 """transformers' prompt lookup draft length (llama-cpp-python's default is 10 too)."""
 
 
+def private_copy(folder: Path, dest: Path) -> Path:
+    """A copy of a model folder no other process maps. accelerate offloads a safetensors
+    checkpoint by reading the checkpoint's own file, and a page some process has mapped
+    (the self-draft minion, the assistant, another program using the model) survives
+    the page-cache drop before each pass: from a shared file its "disk" reads would come
+    partly from RAM. Copied once; kept while the source's files keep their sizes."""
+    files = [f for f in folder.iterdir() if f.is_file()]
+    if dest.is_dir() and all((dest / f.name).is_file() and (dest / f.name).stat().st_size == f.stat().st_size
+                             for f in files):
+        return dest
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in files:
+        shutil.copyfile(f, partial / f.name)
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)
+    return dest
+
+
 @dataclass
 class Lineup:
     profile: str
@@ -144,11 +164,13 @@ class Lineup:
         assisted: list[Method] = []
         lookup: list[Method] = []
         offload_root = self.workdir / "hf-offload" if self.private_packs else HF_OFFLOAD_DIR
+        checkpoint = private_copy(self.target, offload_root / f"{self.target.name}-checkpoint") \
+            if self.tier == "disk" else self.target
         for name in self.dtypes:
             dtype = compute_dtype(name)
             offload = offload_root / f"{self.target.name}-{name}" if self.tier == "disk" else None
-            model = load_hf(self.target, dtype, offload_folder=offload)
-            drop = page_cache_dropper(offload, self.target) if offload else None
+            model = load_hf(checkpoint, dtype, offload_folder=offload)
+            drop = page_cache_dropper(offload, checkpoint) if offload else None
             where = ", accelerate disk offload" if offload else ""
             plain += self._threads(HFMethod("hf", model, 1, eos_id=eos, detail=f"{name}{where}", dtype=name,
                                             before_pass=drop))
@@ -161,8 +183,9 @@ class Lineup:
                                              eos_id=eos, dtype=name,
                                              detail=f"{name}{where}, {PROMPT_LOOKUP_TOKENS} tokens"))
         if self.tier == "disk":
-            self.notes.append(f"transformers: decoder layers offloaded to disk by accelerate (offload folders "
-                              f"under {offload_root}); their page cache is dropped before every pass")
+            self.notes.append(f"transformers: decoder layers offloaded to disk by accelerate, from a private copy "
+                              f"of the checkpoint (offload folders under {offload_root}); their page cache is "
+                              f"dropped before every pass")
         return [plain, assisted, lookup]
 
     def _gguf(self, kind: str) -> Path | None:

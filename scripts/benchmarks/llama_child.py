@@ -31,9 +31,11 @@ from pathlib import Path
 from benchmarks.memlimit import MemoryGroup, NoMemoryGroup, group_name
 
 SCRIPTS = Path(__file__).resolve().parent.parent
-MARGIN = 48 << 20
-"""Room above the child's own memory for what it allocates after warm-up (the
-kernel reclaims page cache before it lets a process fail, so little is needed)."""
+MARGIN = 8 << 20
+"""Room above the child's own memory for what it allocates after warm-up. Small, since
+whatever it leaves unused holds model pages too (a 50 MB margin let the 98 MB Q4_1
+model stay cached whole at a 50% share); the full-length warm-up already grew every
+buffer, and the kernel reclaims page cache before it fails an allocation."""
 
 
 class MethodFailed(RuntimeError):
@@ -99,10 +101,13 @@ class _Served:
                 "read_bytes": proc_read_bytes() - before}
 
 
-def _drop_page_cache(path: str) -> None:
-    """Evict the file's unmapped pages (mapped ones stay: only a memory limit evicts those)."""
+def drop_page_cache(path: str | Path) -> None:
+    """Evict the file's pages from the page cache, written back first (a fresh export's
+    pages are dirty and would stay). Pages some process has mapped stay: only memory
+    pressure (the group's limit) evicts those."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -127,7 +132,7 @@ def serve(requests, reply) -> None:
             reply({"anon_bytes": _rss_anon(), "file_bytes": os.path.getsize(gguf)})
         elif req["op"] == "run":
             if req.get("drop_cache"):
-                _drop_page_cache(gguf)
+                drop_page_cache(gguf)
             s = served[req["threads"], req["lookup"]]
             reply(s.run(req["ids"], req["max_new"], req["temperature"], req["seed"]))
 
@@ -158,15 +163,21 @@ class LlamaCppServer:
     def __init__(self, gguf: Path, *, threads: list[int], n_ctx: int, warm_ids: list[int],
                  memory_share: float | None, tag: str, notes: list[str]) -> None:
         self.gguf = gguf
-        self.limited = False
+        self.disk = memory_share is not None
+        """Disk tier: each run starts with the model out of the page cache."""
         self.group: MemoryGroup | None = None
         self.floor = 0
         self.limit = 0
+        self.own_bytes = 0
         self.log = tempfile.NamedTemporaryFile(prefix="llama-child-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])))
         self.child = subprocess.Popen([sys.executable, "-m", "benchmarks.llama_child"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         if memory_share is not None:
+            # A page already in the page cache stays charged to whoever read (or wrote) it
+            # first, outside the group and beyond its limit: the child must fault every page
+            # in itself.
+            drop_page_cache(gguf)
             try:
                 self.group = MemoryGroup.create(group_name(tag))
                 self.group.add(self.child.pid)  # before the load: every page it maps is charged here
@@ -178,15 +189,22 @@ class LlamaCppServer:
         loaded = self._ask({"op": "load", "gguf": str(gguf), "threads": threads, "n_ctx": n_ctx,
                             "warm_ids": warm_ids})
         self.file_bytes = loaded["file_bytes"]
+        self.own_bytes = loaded["anon_bytes"]
         if self.group is not None:
-            self.floor = loaded["anon_bytes"] + MARGIN
+            self.floor = self.own_bytes + MARGIN
             self.limit = self.floor + int(memory_share * self.file_bytes)
             self.group.set_limit(self.limit)
-            self.limited = True
             notes.append(f"llama.cpp ({gguf.name}) ran in memory group {self.group.path} limited to "
-                         f"{self.limit / 1e6:.0f} MB: its own {loaded['anon_bytes'] / 1e6:.0f} MB + "
-                         f"{MARGIN / 1e6:.0f} MB + {memory_share:.0%} of the {self.file_bytes / 1e6:.0f} MB model, "
-                         f"so most weights are read from disk again each pass (the group is removed after)")
+                         f"{self.limit / 1e6:.0f} MB: its own anonymous memory after warm-up "
+                         f"({self.own_bytes / 1e6:.0f} MB) + {MARGIN / 1e6:.0f} MB + room for {memory_share:.0%} of "
+                         f"the {self.file_bytes / 1e6:.0f} MB model's pages, so most weights are read from disk "
+                         f"again each pass (the group is removed after)")
+
+    def describe(self) -> dict:
+        """For the JSON line: the file, and the memory group's limit (None: no limit)."""
+        return {"gguf": str(self.gguf), "file_bytes": self.file_bytes, "own_bytes": self.own_bytes,
+                "memory_limit_bytes": self.limit if self.group is not None else None,
+                "page_cache_dropped_per_run": self.disk}
 
     def _ask(self, request: dict) -> dict:
         if self.child.poll() is None:
@@ -216,7 +234,7 @@ class LlamaCppServer:
                 pass  # could not reclaim to the floor: it starts a little warm
             self.group.set_limit(self.limit)
         return self._ask({"op": "run", "threads": threads, "lookup": lookup, "ids": ids, "max_new": max_new,
-                          "temperature": temperature, "seed": seed, "drop_cache": self.group is None})
+                          "temperature": temperature, "seed": seed, "drop_cache": self.disk})
 
     def close(self, notes: list[str]) -> None:
         if self.child.poll() is None:

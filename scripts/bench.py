@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)  # noqa: E731
     cfg = settings(args)
     notes: list[str] = []
-    profile = TINY_PROFILE if args.tiny else resolve_profile(args.profile, args.tier or "")
+    profile = resolve_profile(TINY_PROFILE if args.tiny else args.profile, args.tier)
     tier = resolve_tier(profile, args.tier)
     workdir = Path(tempfile.mkdtemp(prefix="bench-"))  # exports, stand-ins, private packs: removed at the end
     lineup = Lineup(profile=profile, tier=tier, threads=cfg["threads"], dtypes=cfg["dtypes"], gguf_types=cfg["gguf"],

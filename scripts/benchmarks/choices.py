@@ -10,7 +10,7 @@ from minions_local.models.demo import DEMO_DIR as DEMO  # noqa: F401 - the stdli
 
 DEMO_MINIONS = ("minion-llama-s", "minion-qwen2-xs", "minion-mistral-m")
 TINY_PROFILE = "stdlib-demo-disk"
-"""--tiny runs the stdlib family's disk-tier profile with random stand-ins in its place."""
+"""--tiny runs the stdlib family's profile (disk tier unless --tier ram) with random stand-ins in its place."""
 
 
 def resolve_tier(profile: str, tier: str | None) -> str:
@@ -23,19 +23,21 @@ def resolve_tier(profile: str, tier: str | None) -> str:
     return "disk" if own == "disk" else "ram"
 
 
-def resolve_profile(profile: str, tier: str) -> str:
-    """'cpu-demo' + disk -> the shipped 'cpu-demo-disk' when it exists (its memory plan
-    streams every layer from disk); otherwise the profile itself (the tier is then an
-    override)."""
+def resolve_profile(profile: str, tier: str | None) -> str:
+    """The shipped profile for the tier asked: 'cpu-demo' + disk -> 'cpu-demo-disk' (its
+    memory plan streams every layer from disk), 'cpu-demo-disk' + ram -> 'cpu-demo';
+    otherwise the profile itself (the tier is then an override)."""
     from minions_local.profile.loader import find_profile_file
 
-    if tier == "disk" and not profile.endswith(".toml") and not profile.endswith("-disk"):
-        try:
-            find_profile_file(f"{profile}-disk")
-            return f"{profile}-disk"
-        except Exception:  # noqa: BLE001 - no such profile: fall back to the override
-            pass
-    return profile
+    if profile.endswith(".toml") or tier is None:
+        return profile
+    base = profile.removesuffix("-disk")
+    wanted = f"{base}-disk" if tier == "disk" else base
+    try:
+        find_profile_file(wanted)
+        return wanted
+    except Exception:  # noqa: BLE001 - no such profile: fall back to the override
+        return profile
 
 
 def standin_overrides(workdir: Path, notes: list[str]) -> dict:

@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import tree_attention_mask
 from minions_local.core.protocols import common_prefix_len
+from minions_local.offload.checkpoint import Checkpoint
+from minions_local.offload.config_match import check_config_matches, unloaded_weights_error
 from minions_local.offload.dtypes import compute_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -52,11 +54,27 @@ def check_model_folder(path: str | Path, role: str) -> Path:
 
 
 def load_config(path: Path, role: str):
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    """The folder's config, refused (naming config.json and the numbers) when it does not
+    describe the weights beside it; a damaged weights file is named here too."""
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} cannot be used ({role}): {e}. Restore the config.json that "
+                             f"came with these weights.") from None
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{path} is a '{config.model_type}' model ({role}); supported architectures are "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+    check_config_matches(path, config, stored_shapes(path))
     return config
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes in the folder's safetensors headers (a damaged file is named)."""
+    checkpoint = Checkpoint(path)
+    try:
+        return checkpoint.shapes()
+    finally:
+        checkpoint.close()
 
 
 def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, device: str,
@@ -65,16 +83,23 @@ def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, devic
 
     quantization 'nf4' / 'int8' stores the weights with bitsandbytes (on `device`)."""
     path = check_model_folder(path, role)
-    load_config(path, role)
+    config = load_config(path, role)
     extra = _bitsandbytes_options(quantization, dtype, device, role)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, report = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa",
-            **extra)
+            output_loading_info=True, **extra)
     except Exception as e:  # safetensors/torch raise their own types; all mean "unusable files"
         raise ModelLoadError(f"Could not load the {role} model from {path}: {e}\nThe weights may be damaged or "
                              f"incomplete: restore the folder (re-download, re-export, or for the shipped demo "
                              f"models reinstall minions-local or run scripts/train_demo_family.py).") from None
+    # transformers loads a model whose weights do not fill it (or overfill it) and only
+    # prints a report; a layer left random or dropped gives wrong output, so refuse.
+    missing, unexpected = report.get("missing_keys") or (), report.get("unexpected_keys") or ()
+    mismatched = [key[0] if isinstance(key, tuple) else key for key in report.get("mismatched_keys") or ()]
+    if missing or unexpected or mismatched:
+        raise unloaded_weights_error(path, config, stored_shapes(path), missing=missing, unexpected=unexpected,
+                                     mismatched=mismatched)
     if not extra:
         model.to(device)
     model.eval().requires_grad_(False)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from minions_local.core.errors import ModelLoadError
+from minions_local.offload.config_match import unloaded_weights_error
 
 
 class Checkpoint:
@@ -41,9 +43,7 @@ class Checkpoint:
             try:
                 handle = safe_open(str(file), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
-                raise ModelLoadError(
-                    f"cannot read {file}: {e}. The file may be truncated; re-save or re-download it."
-                ) from e
+                raise damaged_file_error(file, e) from e
             self._handles[file] = handle
         return handle
 
@@ -55,6 +55,28 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the file headers (no weights are read)."""
+        return {name: self.shape(name) for name in self._where}
+
+    def unused_by(self, model) -> list[str]:
+        """Stored tensors that `model` (built from config.json) has no parameter or buffer
+        for: loading would drop them. Old checkpoints' rotary tables are recomputed, not
+        loaded, so they do not count (transformers skips them the same way)."""
+        wanted = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        wanted |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        skip = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+        skip.append(re.compile(r"rotary_emb\.inv_freq"))
+        return [n for n in self._where if n not in wanted and not any(p.search(n) for p in skip)]
+
+    def check_all_used(self, model) -> None:
+        """Refuse a model that would leave stored tensors unused (config.json describes
+        fewer layers than the files hold, say), naming config.json and the numbers.
+        Tensors the model lacks fail later, when a layer asks for them."""
+        unused = self.unused_by(model)
+        if unused:
+            raise unloaded_weights_error(self.folder, model.config, self.shapes(), unexpected=unused)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
@@ -81,6 +103,14 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def damaged_file_error(file: Path, err: BaseException) -> ModelLoadError:
+    """A weights file safetensors cannot read, named (a folder can hold many shards)."""
+    return ModelLoadError(
+        f"{file} is damaged or incomplete: safetensors cannot read it ({err}); a download or copy that stopped "
+        "early leaves a truncated file. Restore that file (re-download or re-export the model)."
+    )
 
 
 def folder_key(folder: Path) -> str:

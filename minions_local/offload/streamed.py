@@ -97,6 +97,7 @@ def load_streamed_causal_lm(
         raise MemoryPlanError(f"buffers={buffers}: streaming needs at least one layer buffer.")
     ckpt = Checkpoint(folder)
     model = skeleton_model(folder, dtype, attn_implementation)
+    ckpt.check_all_used(model)  # no stored layer may be dropped
     layers, prefix = decoder_layers(model)
     tiers = _layer_tiers(layer_tiers, tier, len(layers))
     stats = StreamStats()

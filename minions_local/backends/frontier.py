@@ -48,6 +48,22 @@ class Frontier:
         """Whether `node`'s children would still be within the depth limit."""
         return self.depths[node] < self.budget.max_depth
 
+    def worth_running(self, nodes: list[int]) -> list[int]:
+        """The nodes among `nodes` whose children could still join the tree: within the
+        depth limit, and not already outranked. A child's priority is at most its
+        parent's (log-probabilities and rank scores are <= 0), and ties go to the
+        candidate offered first, so once `room` waiting candidates rank at or above a
+        node, none of its children can ever be taken: running it (a minion pass over
+        it) is wasted. Skipping it leaves the tree exactly as it would have grown."""
+        room = self.budget.max_nodes - len(self.tree)
+        if room <= 0:
+            return []
+        nodes = [n for n in nodes if self.may_expand(n)]
+        if len(self._heap) < room:
+            return nodes
+        bar = -heapq.nsmallest(room, self._heap)[-1][0]  # the room-th best waiting priority
+        return [n for n in nodes if self._priorities[n] > bar]
+
     def offer(self, parent: int, children: Iterable[tuple[int, float]]) -> None:
         """Candidate children of `parent` (-1: the root) as (token, log-probability),
         best first (or in draw order when ranked). Offer only where may_expand holds."""

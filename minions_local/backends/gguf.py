@@ -158,11 +158,10 @@ class GGUFMinion:
         next_seq = 1
         while frontier.can_take():
             batch = frontier.take()
-            # Run only nodes that may still get children: the tree is not full, the node
-            # is above the depth limit, and a sequence id is free for it.
-            expand = [n for n in batch if frontier.may_expand(n)]
-            expand = expand[:min(runs_left - (next_seq - 1), self.n_batch)]
-            if frontier.tree_full or not expand:
+            # Run only nodes that may still get children (see Frontier.worth_running) and
+            # that a sequence id is free for.
+            expand = frontier.worth_running(batch)[:min(runs_left - (next_seq - 1), self.n_batch)]
+            if not expand:
                 continue
             for node in expand:
                 parent = tree.parents[node]

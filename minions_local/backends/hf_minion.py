@@ -80,8 +80,8 @@ class HFMinion:
                 if parent >= 0:
                     anc[node] = anc[parent]
                 anc[node, node] = True
-            if frontier.tree_full or not any(frontier.may_expand(n) for n in batch):
-                break
+            if not frontier.worth_running(batch):
+                continue  # none of these can get children: the tree fills from what waits
             first = batch[0]  # batches are contiguous node ranges
             logits = runner.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
                                     [frontier.depths[n] for n in batch], base_pos)

@@ -52,3 +52,21 @@ def test_a_tree_fills_in_full_width_batches():
     while frontier.can_take():
         sizes.append(len(frontier.take()))
     assert sizes == [8, 8, 8, 8]
+
+
+def test_only_nodes_whose_children_could_join_are_worth_running():
+    """Room for 2 more nodes and two waiting candidates at or above a node: its children
+    (never above it) cannot join, so a minion pass over it would be wasted."""
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=4, max_depth=4, width=2))
+    frontier.offer(-1, [(1, math.log(0.5)), (2, math.log(0.3)), (3, math.log(0.1)), (4, math.log(0.1))])
+    batch = frontier.take()  # 1 and 2; 3 and 4 wait at 0.1
+    assert frontier.worth_running(batch) == batch  # both beat 0.1
+    frontier.offer(batch[0], [(5, math.log(0.9))])  # 0.45 waits now too
+    assert frontier.take() == [2, 3]  # 0.45, then 0.1 (token 3, offered first)
+    assert frontier.worth_running([2, 3]) == []  # room is full
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=3, max_depth=4, width=1))
+    frontier.offer(-1, [(1, math.log(0.2)), (2, math.log(0.2)), (3, math.log(0.2))])
+    assert frontier.take() == [0]
+    assert frontier.worth_running([0]) == []  # two waiting ties at 0.2 fill the room first

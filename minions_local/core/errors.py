@@ -20,6 +20,10 @@ class VocabularyMismatchError(ModelLoadError):
     """A minion does not share the target's vocabulary, so its drafts cannot be verified."""
 
 
+class ModelOutputError(MinionsError):
+    """The model computed something no token can be chosen from (NaN or infinite logits)."""
+
+
 class ContextOverflowError(MinionsError):
     """Prompt plus requested new tokens do not fit in the target's context window."""
 

@@ -24,6 +24,7 @@ from typing import Sequence, TypeVar
 
 import torch
 
+from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
 from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, Target
 from minions_local.core.sampling import SamplingParams
@@ -146,6 +147,7 @@ class Decoder:
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         logits = self.target.verify(context, tree)
+        _check_finite(logits)
         path, bonus = accept(tree, logits, params, generator, max_accept=remaining - 1)
         self.target.commit(tree, path)
         t2 = time.perf_counter()
@@ -257,6 +259,18 @@ def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[
         taken = path[i + 1] if i + 1 < len(path) else None
         trials.append((i + 1, len(children), children.index(taken) + 1 if taken is not None else 0))
     return trials
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """NaN or infinite logits choose a token as if they were scores (argmax takes a NaN
+    as the largest), so a broken model would end its reply "normally", often at once.
+    One sum finds either anywhere (float32 cannot overflow on real logits)."""
+    if not torch.isfinite(logits.sum(dtype=torch.float32)):
+        bad = "NaN" if torch.isnan(logits).any() else "infinite"
+        raise ModelOutputError(
+            f"The target model computed {bad} logits, so no next token can be chosen; the reply stops here. "
+            "Its weights may be damaged (restore the model files), or its activations overflow the dtype it "
+            "runs in (float16 does on some models: try dtype = \"float32\" or \"bfloat16\" in the profile).")
 
 
 def _spare_core(target: Target) -> bool:

@@ -137,7 +137,7 @@ def test_store_skips_damaged_files_and_failed_writes_leave_no_temp(tmp_path, mon
     good = Conversation(messages=[{"role": "user", "content": "hi"}])
     store.save(good)
     assert [c.id for c in store.saved()] == [good.id]
-    with pytest.raises(MinionsError, match="may be damaged"):
+    with pytest.raises(MinionsError, match="broken.json could not be loaded: it is not valid JSON"):
         store.load("broken")
 
     def fail(*args):

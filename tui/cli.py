@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="show replies verbatim instead of as Markdown (highlighted as LANG if given)")
     chat = p.add_argument_group("conversation")
     chat.add_argument("--resume", nargs="?", const="", metavar="ID|N|TITLE",
-                      help="continue the latest saved conversation (or the one named)")
+                      help="continue the latest saved conversation (or the one named); in a pipe, the "
+                           "piped text is its next message and the reply is saved to it")
     chat.add_argument("--plain", action="store_true", help="line-based REPL instead of the full-screen app")
     return p
 
@@ -77,6 +78,21 @@ def _report(kind: str, profile: str, out: TextIO, err: TextIO) -> int:
         err.write(f"minions-chat: {error}\n")
         return 1
     return 0
+
+
+def _resume(store: Any, query: str, stderr: TextIO) -> Any:
+    """The conversation `--resume` names (MinionsError if none can be used), or the newest
+    readable one, saying which newer files it skipped."""
+    from minions_local.tui.store import skipped_note
+
+    if query:
+        return store.find(query)
+    conversation, skipped = store.latest_readable()
+    if skipped:
+        stderr.write(f"minions-chat: {skipped_note(skipped, conversation)}\n")
+    elif conversation is None:
+        stderr.write("minions-chat: no saved conversation to resume; starting a new one.\n")
+    return conversation
 
 
 def main(
@@ -103,9 +119,9 @@ def main(
         from minions_local.tui.plain import PlainIO, run_plain
 
         conversation = Conversation(profile=args.profile)
-        if args.resume is not None and stdin.isatty():
+        if args.resume is not None:
             try:
-                conversation = (store.find(args.resume) if args.resume else store.latest()) or conversation
+                conversation = _resume(store, args.resume, stderr) or conversation
             except MinionsError as error:
                 stderr.write(f"minions-chat: {error}\n")
                 return 1
@@ -123,6 +139,7 @@ def main(
                 engine_factory=engine_factory,
                 store=store,
                 io=PlainIO(stdin, stdout, stderr),
+                resumed=args.resume is not None,
             )
         except KeyboardInterrupt:  # Ctrl+C while loading: leave quietly
             stderr.write("\n")

@@ -2,7 +2,8 @@
 
 With stdin a pipe, the whole input is one user message (`Engine.stream_chat`) when
 the model has a chat template, else the prompt of a plain completion (`Engine.stream`),
-and only the reply goes to stdout. On a terminal it is a
+and only the reply goes to stdout; with --resume it is the next message of the saved
+conversation, and the reply is saved to it. On a terminal it is a
 chat (`Engine.stream_chat`); progress, the memory plan and stats go to stderr.
 Generation runs on a helper thread so that Ctrl+C stops it between two target
 passes instead of tearing through the engine; a second Ctrl+C quits.
@@ -23,7 +24,7 @@ from minions_local.core.events import LoadProgress
 from minions_local.tui.bridge import EngineFactory, Outcome, deferred, drive, request_stop, unexpected
 from minions_local.tui.commands import CommandError, is_command, parse_command
 from minions_local.tui.stats import format_bytes
-from minions_local.tui.store import Conversation, ConversationStore
+from minions_local.tui.store import Conversation, ConversationStore, is_unicode
 
 PLAIN_HELP = (
     "Type a message and press Enter; end a line with \\ to continue it, or wrap lines in \"\"\".\n"
@@ -64,26 +65,91 @@ def run_plain(
     engine_factory: EngineFactory,
     store: ConversationStore,
     io: PlainIO,
+    resumed: bool = False,
 ) -> int:
     if not io.stdin.isatty():
-        prompt = io.stdin.read()  # read before loading: an empty pipe fails fast
-        if prompt.endswith("\n"):
-            prompt = prompt[:-1]
-        if not prompt.strip():
-            io.err("minions-chat: nothing to complete on stdin.")
+        prompt = _read_piped(io)  # read before loading: an empty pipe fails fast
+        if prompt is None:
             return 2
+        if not prompt.strip():
+            problem = _profile_problem(profile, overrides)  # a wrong --profile is the news, not the empty pipe
+            io.err(f"minions-chat: {problem or 'nothing to complete on stdin.'}")
+            return 1 if problem else 2
         engine = _load(profile, overrides, engine_factory, io)
-        return 1 if engine is None else _complete(engine, prompt, conversation, io)
+        if engine is None:
+            return 1
+        if resumed:
+            return _continue(engine, prompt, conversation, store, io)
+        return _complete(engine, prompt, conversation, io)
     engine = _load(profile, overrides, engine_factory, io)
     if engine is None:
         return 1
     io.err(engine.memory_plan_text())
     io.err(PLAIN_HELP)
+    if resumed and conversation.messages:
+        io.err(f"(resumed '{conversation.display_title()}' · {len(conversation.messages)} messages)")
+    _take_back_unanswered(conversation, io)
     try:
         return _repl(engine, conversation, store, io)
     except KeyboardInterrupt:
         io.err("")
         return 130
+
+
+def _read_piped(io: PlainIO) -> str | None:
+    """All of stdin, less one final newline; None (said on stderr) when it is not UTF-8."""
+    try:
+        text = io.stdin.read()
+    except UnicodeDecodeError as err:
+        _not_utf8(io, err.object[err.start])
+        return None
+    if not is_unicode(text):  # undecodable bytes kept as surrogates (errors="surrogateescape")
+        _not_utf8(io, next(ord(c) - 0xDC00 for c in text if 0xDC80 <= ord(c) <= 0xDCFF))
+        return None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _not_utf8(io: PlainIO, byte: int) -> None:
+    io.err(f"minions-chat: stdin is not UTF-8 text (it holds the byte 0x{byte:02x}). Convert it first, "
+           f"e.g. `iconv -f latin1 -t utf-8 FILE | minions-chat --plain`.")
+
+
+def _profile_problem(profile: str, overrides: dict[str, Any]) -> str | None:
+    """What is wrong with the profile, found without loading any weights (None: nothing)."""
+    from minions_local.profile.loader import load_profile
+
+    try:
+        load_profile(profile, **overrides)
+    except MinionsError as err:
+        return str(err)
+    except OSError as err:
+        return f"the profile {profile} cannot be read: {err.strerror or err}"
+    return None
+
+
+def _take_back_unanswered(conversation: Conversation, io: PlainIO) -> None:
+    """A resumed conversation that ends in a question without a reply (the chat stopped
+    mid-reply) gets it back, so that the next message is not a second question in a row."""
+    question = conversation.unanswered()
+    if question is not None:
+        first = question.strip().splitlines()[0] if question.strip() else ""
+        shown = first[:60] + ("…" if len(first) > 60 or "\n" in question.strip() else "")
+        io.err(f"(the last question had no reply and is taken back: \"{shown}\"; send it again if you like)")
+
+
+def _save(store: ConversationStore, conversation: Conversation, io: PlainIO) -> None:
+    try:
+        store.save(conversation)
+    except MinionsError as err:
+        io.err(f"minions-chat: {err}")
+
+
+def _record(conversation: Conversation, outcome: Outcome) -> None:
+    """The reply joins the conversation; a turn that brought nothing back takes its question back."""
+    if outcome.text.strip() or outcome.reason not in ("cancelled", "error"):
+        conversation.messages.append({"role": "assistant", "content": outcome.text})
+    else:
+        conversation.messages.pop()
 
 
 def _load(profile: str, overrides: dict[str, Any], factory: EngineFactory, io: PlainIO) -> Any:
@@ -158,6 +224,33 @@ def _complete(engine: Any, prompt: str, conversation: Conversation, io: PlainIO)
     return 0
 
 
+def _continue(engine: Any, prompt: str, conversation: Conversation, store: ConversationStore, io: PlainIO) -> int:
+    """A piped message as the next turn of a resumed conversation; the turn is saved."""
+    _take_back_unanswered(conversation, io)
+    conversation.messages.append({"role": "user", "content": prompt})
+    _save(store, conversation, io)  # the question is on disk before the reply starts
+    messages = conversation.engine_messages()
+    try:
+        outcome = _generate(
+            engine,
+            lambda: engine.stream_chat(messages, max_new_tokens=conversation.max_new_tokens,
+                                       temperature=conversation.temperature),
+            io,
+        )
+    except KeyboardInterrupt:
+        return 130
+    _record(conversation, outcome)
+    _save(store, conversation, io)
+    if io.closed:
+        return 0
+    if not outcome.text.endswith("\n"):
+        io.out("\n")
+    if outcome.error:
+        io.err(f"minions-chat: {outcome.error}")
+        return 1
+    return 0
+
+
 def _read_line(io: PlainIO, prompt: str) -> str:
     if io.stdin is sys.stdin and io.stdout is sys.stdout:
         return input(prompt)  # readline editing and history on a real terminal
@@ -205,6 +298,11 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
     while True:
         try:
             text = _read_message(io)
+            if text is not None and not is_unicode(text):
+                raise UnicodeError
+        except UnicodeError:  # bytes the terminal's encoding does not decode
+            io.err("(that line is not UTF-8 text, so it was not sent: check the terminal's encoding)")
+            continue
         except KeyboardInterrupt:
             if time.monotonic() - last_interrupt < 2.0:
                 io.err("")
@@ -224,6 +322,7 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
         if text.startswith("//"):
             text = text[1:]
         conversation.messages.append({"role": "user", "content": text})
+        _save(store, conversation, io)  # the question is on disk before the reply starts
         messages = conversation.engine_messages()
         outcome = _generate(
             engine,
@@ -234,10 +333,7 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
             ),
             io,
         )
-        if outcome.text.strip() or outcome.reason not in ("cancelled", "error"):
-            conversation.messages.append({"role": "assistant", "content": outcome.text})
-        else:
-            conversation.messages.pop()
+        _record(conversation, outcome)
         if not outcome.text.endswith("\n"):
             io.out("\n")
         s = outcome.stats
@@ -248,10 +344,7 @@ def _repl(engine: Any, conversation: Conversation, store: ConversationStore, io:
         )
         if outcome.error:
             io.err(f"minions-chat: {outcome.error}")
-        try:
-            store.save(conversation)
-        except MinionsError as err:
-            io.err(f"minions-chat: {err}")
+        _save(store, conversation, io)
 
 
 def _command(text: str, engine: Any, conversation: Conversation, store: ConversationStore, io: PlainIO) -> str:

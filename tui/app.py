@@ -287,6 +287,7 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
         self.chat_log.anchor()
         self.query_one(StatsPanel).show(GenerationStats())
         self._set_generating(True)
+        self._autosave()  # the question is on disk before the reply starts
         c = self.conversation
         self._generation = self._generate(
             self.engine, c.engine_messages(), c.max_new_tokens, c.temperature

@@ -8,10 +8,11 @@ from rich.console import Group
 from rich.text import Text
 
 from minions_local.core.errors import MinionsError
+from minions_local.tui.bridge import unexpected
 from minions_local.tui.commands import HELP, Command, CommandError, parse_command
 from minions_local.tui.screens import ConversationPicker
 from minions_local.tui.stats import GenerationStats, render_stats
-from minions_local.tui.store import Conversation
+from minions_local.tui.store import Conversation, ConversationFileError, skipped_note
 from minions_local.tui.tree_view import minion_colors
 from minions_local.tui.widgets import AssistantMessage, MarkdownNote, Note, StatsPanel, TreePanel, UserMessage
 
@@ -36,6 +37,8 @@ class SlashCommands:
             await getattr(self, f"_cmd_{command.name}")(command)
         except MinionsError as err:
             self.notify(str(err), title=f"/{command.name}", severity="error")
+        except Exception as err:  # a bug: a message and the log file, never a crash (its dump shows locals)
+            self.notify(unexpected(err, f"running /{command.name}"), title=f"/{command.name}", severity="error")
 
     async def _cmd_help(self: ChatApp, command: Command) -> None:
         await self._say(MarkdownNote(HELP, title="help"))
@@ -109,7 +112,10 @@ class SlashCommands:
         if command.arg:
             await self._open_conversation(self.store.find(command.arg))
             return
-        saved = self.store.saved()
+        scan = self.store.scan()
+        saved = scan.conversations
+        if scan.problems:
+            self._report_unreadable(scan.problems)
         if not saved:
             self.notify(f"No saved conversations yet (they go to {self.store.root}).")
             return
@@ -143,20 +149,40 @@ class SlashCommands:
 
     # ---- conversations ------------------------------------------------------------
 
+    def _report_unreadable(self: ChatApp, problems: list[ConversationFileError]) -> None:
+        """Name the files that are not conversations (they are left alone), never their text."""
+        listed = "\n".join(f"{p.path.name}: {p.reason}" for p in problems[:5])
+        more = f"\n(and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        self.notify(f"{listed}{more}\nThese files are kept as they are, in {self.store.root}.",
+                    title=f"{len(problems)} saved files could not be read", severity="warning", timeout=15)
+
     async def _resume(self: ChatApp, query: str) -> None:
         try:
-            conversation = self.store.find(query) if query else self.store.latest()
+            if query:
+                conversation, skipped = self.store.find(query), []
+            else:
+                conversation, skipped = self.store.latest_readable()
         except MinionsError as err:
-            self.notify(str(err), title="--resume", severity="error")
+            self.notify(str(err), title="--resume", severity="error", timeout=15)
             return
-        if conversation is None:
+        except Exception as err:  # a bug: a message and the log file, never a crash
+            self.notify(unexpected(err, "resuming"), title="--resume", severity="error", timeout=15)
+            return
+        if skipped:
+            self.notify(skipped_note(skipped, conversation), title="--resume", severity="warning", timeout=15)
+        elif conversation is None:
             self.notify("No saved conversation to resume; starting a new one.")
-            return
-        await self._open_conversation(conversation)
+        if conversation is not None:
+            await self._open_conversation(conversation)
 
     async def _open_conversation(self: ChatApp, conversation: Conversation) -> None:
-        """Show a conversation and make it current; the engine forgets its cache."""
+        """Show a conversation and make it current; the engine forgets its cache. A last
+        question that got no reply goes back into the prompt box, to send again."""
         self.conversation = conversation
+        question = None if self.prompt.text else conversation.unanswered()  # never over what is typed
+        if question is not None:
+            self.prompt.text = question
+            self.prompt.move_cursor(self.prompt.document.end)
         log = self.chat_log
         keep = [self._loading] if self._loading is not None else []
         await log.remove_children([w for w in log.children if w not in keep])
@@ -181,6 +207,8 @@ class SlashCommands:
         log.anchor()
         if conversation.messages:
             self.notify(f"Loaded '{conversation.display_title()}' ({len(conversation.messages)} messages).")
+        if question is not None:
+            self.notify("The last question got no reply: it is back in the box (Enter sends it).")
 
 
 def _profiles_text(current: str) -> str:

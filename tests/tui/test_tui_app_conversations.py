@@ -1,0 +1,108 @@
+"""The app with damaged and strange conversation files, and a turn cut short: files are
+named and kept, the app never crashes, and a question is on disk before its reply."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tests.helpers.fake_engine import REPLY, FakeEngine
+from tests.helpers.tui_helpers import make_app, notes, ready, send, until
+
+from minions_local.tui.screens import ConversationPicker
+from minions_local.tui.store import Conversation, ConversationStore
+from minions_local.tui.widgets import UserMessage
+
+pytestmark = pytest.mark.asyncio
+
+
+def store_of(tmp_path) -> ConversationStore:
+    return ConversationStore(tmp_path / "conversations")
+
+
+async def test_resume_skips_a_damaged_newest_file_and_says_so(tmp_path):
+    store = store_of(tmp_path)
+    good = Conversation(title="good one", messages=[{"role": "user", "content": "q"},
+                                                    {"role": "assistant", "content": "a"}])
+    store.save(good)
+    os.utime(store.path(good.id), (1_000, 1_000))
+    damaged = store.root / "newest.json"
+    damaged.write_text(json.dumps([{"role": "user", "content": "secret plans"}]))
+    app = make_app(tmp_path, resume="")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        assert app.conversation.id == good.id
+        shown = "\n".join(notes(app))
+        assert f"Skipped the newest saved conversation, {damaged}: it is not a conversation: the top level is a " \
+               f"list, not an object; resumed 'good one' ({good.id}) instead" in shown
+        assert "secret plans" not in shown
+    assert json.loads(damaged.read_text()) == [{"role": "user", "content": "secret plans"}]
+
+
+async def test_load_names_unreadable_files_and_a_damaged_one_asked_for(tmp_path):
+    store = store_of(tmp_path)
+    store.save(Conversation(messages=[{"role": "user", "content": "about cats"}]))
+    (store.root / "cut.json").write_text('{"messages": [{"role": "user", "content": "secret')
+    (store.root / "odd.json").write_text('{"messages": [], "temperature": "hot"}')
+    app = make_app(tmp_path, FakeEngine())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/load")
+        assert isinstance(app.screen, ConversationPicker) and len(app.screen.conversations) == 1
+        shown = "\n".join(notes(app))
+        assert "cut.json: it is not valid JSON" in shown and "(it ends early: a write was cut short)" in shown
+        assert "odd.json: it is not a conversation: 'temperature' is not a number from 0 to 2" in shown
+        assert "secret" not in shown
+        await pilot.press("escape")
+        await send(pilot, "/load cut")
+        assert any(f"{store.root / 'cut.json'} could not be loaded" in n for n in notes(app))
+        assert app.is_running and app.conversation.messages == []
+
+
+async def test_an_unexpected_error_in_a_command_is_a_message_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    app = make_app(tmp_path, FakeEngine())
+
+    def broken():
+        raise KeyError("secret plans")
+
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        monkeypatch.setattr(app.store, "scan", broken)
+        await send(pilot, "/load")
+        assert app.is_running
+        assert any("Unexpected error while running /load: KeyError" in n for n in notes(app))
+
+
+async def test_the_question_is_on_disk_before_the_reply_starts(tmp_path):
+    engine = FakeEngine(gate_after=1)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        app.prompt.text = "will this be kept?"
+        await pilot.press("enter")
+        await until(pilot, engine.waiting.is_set)  # the reply is under way
+        saved = store_of(tmp_path).latest()
+        assert saved is not None and saved.messages == [{"role": "user", "content": "will this be kept?"}]
+        engine.gate.set()
+        await until(pilot, lambda: not app.generating)
+    assert [m["content"] for m in store_of(tmp_path).latest().messages] == ["will this be kept?", REPLY]
+
+
+async def test_a_question_left_without_reply_comes_back_into_the_box(tmp_path):
+    store = store_of(tmp_path)
+    cut = Conversation(messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                                 {"role": "user", "content": "asked when the app died"}])
+    store.save(cut)
+    engine = FakeEngine()
+    app = make_app(tmp_path, engine, resume="")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        assert app.prompt.text == "asked when the app died"
+        assert len(app.query(UserMessage)) == 1 and len(app.conversation.messages) == 2
+        assert any("The last question got no reply" in n for n in notes(app))
+        await pilot.press("enter")
+        await until(pilot, lambda: not app.generating)
+        assert [m["content"] for m in engine.calls[0]["messages"]] == ["q1", "a1", "asked when the app died"]
+    assert len(store.load(cut.id).messages) == 4

@@ -3,10 +3,14 @@ named and kept, the app never crashes, and a question is on disk before its repl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.helpers.conversation_files import file_bytes, names, snapshot
 from tests.helpers.fake_engine import REPLY, FakeEngine
 from tests.helpers.tui_helpers import make_app, notes, ready, send, until
 
@@ -14,13 +18,13 @@ from minions_local.tui.screens import ConversationPicker
 from minions_local.tui.store import Conversation, ConversationStore
 from minions_local.tui.widgets import UserMessage
 
-pytestmark = pytest.mark.asyncio
 
 
 def store_of(tmp_path) -> ConversationStore:
     return ConversationStore(tmp_path / "conversations")
 
 
+@pytest.mark.asyncio
 async def test_resume_skips_a_damaged_newest_file_and_says_so(tmp_path):
     store = store_of(tmp_path)
     good = Conversation(title="good one", messages=[{"role": "user", "content": "q"},
@@ -40,6 +44,7 @@ async def test_resume_skips_a_damaged_newest_file_and_says_so(tmp_path):
     assert json.loads(damaged.read_text()) == [{"role": "user", "content": "secret plans"}]
 
 
+@pytest.mark.asyncio
 async def test_load_names_unreadable_files_and_a_damaged_one_asked_for(tmp_path):
     store = store_of(tmp_path)
     store.save(Conversation(messages=[{"role": "user", "content": "about cats"}]))
@@ -60,6 +65,7 @@ async def test_load_names_unreadable_files_and_a_damaged_one_asked_for(tmp_path)
         assert app.is_running and app.conversation.messages == []
 
 
+@pytest.mark.asyncio
 async def test_an_unexpected_error_in_a_command_is_a_message_not_a_crash(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     app = make_app(tmp_path, FakeEngine())
@@ -75,6 +81,7 @@ async def test_an_unexpected_error_in_a_command_is_a_message_not_a_crash(tmp_pat
         assert any("Unexpected error while running /load: KeyError" in n for n in notes(app))
 
 
+@pytest.mark.asyncio
 async def test_the_question_is_on_disk_before_the_reply_starts(tmp_path):
     engine = FakeEngine(gate_after=1)
     app = make_app(tmp_path, engine)
@@ -90,6 +97,7 @@ async def test_the_question_is_on_disk_before_the_reply_starts(tmp_path):
     assert [m["content"] for m in store_of(tmp_path).latest().messages] == ["will this be kept?", REPLY]
 
 
+@pytest.mark.asyncio
 async def test_a_question_left_without_reply_comes_back_into_the_box(tmp_path):
     store = store_of(tmp_path)
     cut = Conversation(messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
@@ -106,3 +114,38 @@ async def test_a_question_left_without_reply_comes_back_into_the_box(tmp_path):
         await until(pilot, lambda: not app.generating)
         assert [m["content"] for m in engine.calls[0]["messages"]] == ["q1", "a1", "asked when the app died"]
     assert len(store.load(cut.id).messages) == 4
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.lists(st.tuples(names, file_bytes), min_size=1, max_size=3))
+def test_load_over_random_files_shows_only_clean_conversations(tmp_path_factory, monkeypatch, files):
+    """/load and the picker, then each readable one opened: random saved files never crash
+    the app nor change a file."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
+    root = home / "conversations"
+    root.mkdir()
+    for name, data in files:
+        try:
+            (root / f"{name}.json").write_bytes(data)
+        except OSError:
+            continue
+    before = snapshot(root)
+
+    async def browse() -> None:
+        app = make_app(home, FakeEngine())
+        async with app.run_test(size=(120, 36)) as pilot:
+            await ready(pilot)
+            await send(pilot, "/load")
+            readable = app.screen.conversations if isinstance(app.screen, ConversationPicker) else []
+            if readable:
+                await pilot.press("escape")
+            for number in range(1, len(readable) + 1):
+                await send(pilot, f"/load {number}")
+                for message in app.conversation.messages:
+                    assert set(message) == {"role", "content"} and message["role"] in ("user", "assistant")
+            assert app.is_running
+            assert not any("Unexpected error" in n for n in notes(app))
+
+    asyncio.run(browse())
+    assert snapshot(root) == before

@@ -7,6 +7,9 @@ import io
 import json
 import os
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.helpers.conversation_files import file_bytes, names, snapshot
 from tests.helpers.fake_engine import REPLY, FakeEngine, FakeFactory
 
 from minions_local.tui.cli import main
@@ -136,3 +139,41 @@ def test_a_resumed_question_without_reply_is_taken_back(tmp_path):
     assert '(the last question had no reply and is taken back: "the unanswered one"' in err
     assert [m["content"] for m in engine.calls[0]["messages"]] == ["q1", "a1", "q2"]
     assert [m["content"] for m in store.load(cut.id).messages] == ["q1", "a1", "q2", REPLY]
+
+
+# ---- random saved files at --resume (Hypothesis) ------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.lists(st.tuples(names, file_bytes), min_size=1, max_size=3), piped=st.booleans())
+def test_resume_over_random_files_sends_only_clean_messages(tmp_path_factory, monkeypatch, files, piped):
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
+    root = ConversationStore().root
+    root.mkdir(parents=True)
+    (home / "outside.json").write_text("keep me")
+    for name, data in files:
+        try:
+            (root / f"{name}.json").write_bytes(data)
+        except OSError:
+            continue
+    before = snapshot(root)
+    engine = FakeEngine()
+    stdin = io.StringIO("next question") if piped else TTYInput("next question\n")
+    code, _, err, _ = run(["--plain", "--resume"], stdin, factory=FakeFactory(engine))
+    assert code == 0 and "Traceback" not in err and "bug" not in err
+    for call in engine.calls:
+        for message in call["messages"]:
+            assert set(message) == {"role", "content"} and message["role"] in ("system", "user", "assistant")
+            message["content"].encode("utf-8")
+        assert call["messages"][-1] == {"role": "user", "content": "next question"}
+    after = snapshot(root)
+    changed = {path for path in before if after.get(path) != before[path]}
+    assert len(changed) <= 1  # at most the resumed conversation, which gets the new turn
+    for path in changed:
+        question, reply = json.loads(after[path])["messages"][-2:]
+        assert question == {"role": "user", "content": "next question"}
+        assert reply["role"] == "assistant" and REPLY.startswith(reply["content"])  # a saved /max may cut it
+    assert (home / "outside.json").read_text() == "keep me"
+    assert {p.parent for p in home.rglob("*") if p.is_file()} <= {home, root}

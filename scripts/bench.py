@@ -25,8 +25,10 @@ O_DIRECT read bandwidth before and after the rounds, for the physical bound (tok
 per pass x raw bandwidth / bytes per pass) and the baseline's stream efficiency.
 Prints a table, writes a PNG plot into --out, and ends with ONE JSON line.
 
-How long (2-core box, cpu-demo-disk): see the report in issue 14; --quick is about a
-quarter of the full run, --tiny under a minute.
+How long, on the shared 2-core box with cpu-demo-disk: --quick 12-13 min (3 min of
+it calibration); the full run about 80 min (8 prompts x 2 modes x 128 tokens; the three
+accelerate-offloaded transformers methods, at 2-3 tok/s, take over half of each
+round); --tiny about 10 s.
 """
 
 from __future__ import annotations
@@ -162,9 +164,11 @@ def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started:
     if tier == "disk":
         for m in methods:
             if m.family == "llama.cpp" and m.name in nbytes:
-                lineup.notes.append(f"{m.name} read {nbytes[m.name] / 1e6:.0f} MB per pass from disk of its "
-                                    f"{m.weight_bytes / 1e6:.0f} MB model ({m.dtype}); the rest came from the page "
-                                    f"cache its memory group may keep")
+                read, size = nbytes[m.name], m.weight_bytes
+                why = ("the rest came from the page cache its memory group keeps" if read < 0.9 * size else
+                       "mmap under the limit evicts pages before their turn comes, so it reads them again")
+                lineup.notes.append(f"{m.name} read {read / 1e6:.0f} MB per pass from disk, of its "
+                                    f"{size / 1e6:.0f} MB model ({m.dtype}): {why}")
     lineup.notes.append("'= AR greedy': greedy runs token-identical to the autoregressive run; a method in another "
                         "dtype, or bf16 tree passes flipping near-ties, can differ without being wrong")
     for note in [*lineup.notes, *failures]:

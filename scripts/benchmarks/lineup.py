@@ -123,16 +123,15 @@ class Lineup:
         base = Engine.from_pretrained(**kwargs)
         weights = param_bytes(base.decoder.target.model)
         policy = type(base.decoder.policy).__name__
-        tag = f"{dtype}"
 
         def method(name: str, family: str, engine: Engine, detail: str) -> list[Method]:
-            return self._threads(EngineMethod(name, family, engine, 1, f"{tag}, {detail}", dtype=dtype,
+            return self._threads(EngineMethod(name, family, engine, 1, f"{dtype}, {detail}", dtype=dtype,
                                               weight_bytes=weights))
 
         minions = base.minions
         ar = engine_sharing_target(base, [], FixedBudget(nodes=0, depth=0))
         # The same policy, fresh (a policy learns as it runs): only the selection differs.
-        every = engine_sharing_target(base, minions, self._engine_kwargs_policy(dtype), selection="all")
+        every = engine_sharing_target(base, minions, self._fresh_policy(dtype), selection="all")
         groups = [method("autoregressive", "autoregressive", ar, "no minions"),
                   method("adaptive", "adaptive", base, f"{policy}, learned selection"),
                   method("adaptive all-minions", "adaptive-all", every, f"{policy}, every minion runs")]
@@ -142,9 +141,9 @@ class Lineup:
             groups.append(method(f"fixed {nodes}", "fixed", engine, f"depth<={depth}, learned selection"))
         return groups
 
-    def _engine_kwargs_policy(self, dtype: str):
-        return engine_kwargs_from_profile(self.profile, tier=self.tier, dtype=compute_dtype(dtype),
-                                          **self.overrides)["budget"]
+    def _fresh_policy(self, dtype: str):
+        """The profile's budget policy, built anew (it learns as it runs, so none is shared)."""
+        return self._engine_kwargs(dtype)["budget"]
 
     def _assistant_layers(self) -> int:
         for minion in load_profile(self.profile).minions:

@@ -385,6 +385,15 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
         except MinionsError as err:
             self.notify(str(err), title="Not saved", severity="error")
 
+    def _fatal_error(self) -> None:
+        """A bug that reached Textual: one readable line, the traceback in the log file.
+        Textual's own dump prints every frame's local variables, conversation text among them."""
+        error = self._exception
+        self.bell()
+        message = unexpected(error, "running the chat") if error is not None else "The chat stopped on an error."
+        self._exit_renderables.append(Text(f"minions-chat: {message}"))
+        self._close_messages_no_wait()
+
     # ---- keys ---------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

@@ -156,8 +156,9 @@ def main(
         raw=args.raw,
         resume=args.resume,
     )
-    ChatApp(options, engine_factory=engine_factory, store=store).run()
-    return 0
+    app = ChatApp(options, engine_factory=engine_factory, store=store)
+    app.run()
+    return app.return_code or 0  # 1 after a crash (see ChatApp._fatal_error)
 
 
 if __name__ == "__main__":

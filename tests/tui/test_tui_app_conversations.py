@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from tests.helpers.conversation_files import file_bytes, names, snapshot
 from tests.helpers.fake_engine import REPLY, FakeEngine
 from tests.helpers.tui_helpers import make_app, notes, ready, send, until
 
+from minions_local.tui.bridge import log as chat_log
 from minions_local.tui.screens import ConversationPicker
 from minions_local.tui.store import Conversation, ConversationStore
 from minions_local.tui.widgets import UserMessage
@@ -149,3 +151,27 @@ def test_load_over_random_files_shows_only_clean_conversations(tmp_path_factory,
 
     asyncio.run(browse())
     assert snapshot(root) == before
+
+
+@pytest.mark.asyncio
+async def test_a_crash_shows_one_line_without_local_variables(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    app = make_app(tmp_path, FakeEngine())
+
+    def broken() -> None:
+        conversation_text = "words from the chat"  # noqa: F841  (Textual's dump would print it)
+        raise KeyError("lookup")
+
+    with pytest.raises(KeyError):
+        async with app.run_test(size=(120, 36)) as pilot:
+            await ready(pilot)
+            app.call_later(broken)
+            await pilot.pause(0.2)
+    assert app.return_code == 1
+    shown = " ".join(capsys.readouterr().err.split())  # the console wraps it
+    assert shown.startswith("minions-chat: Unexpected error while running the chat: KeyError: 'lookup'.")
+    assert "words from the chat" not in shown
+    handler = chat_log.handlers[0]  # set up once per process, by the first error logged
+    if hasattr(handler, "baseFilename"):
+        log = Path(handler.baseFilename).read_text()
+        assert "KeyError: 'lookup'" in log and "words from the chat" not in log

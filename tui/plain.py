@@ -214,6 +214,11 @@ def _complete(engine: Any, prompt: str, conversation: Conversation, io: PlainIO)
         outcome = _generate(engine, start, io)
     except KeyboardInterrupt:
         return 130
+    return _finish(outcome, io)
+
+
+def _finish(outcome: Outcome, io: PlainIO) -> int:
+    """End a piped reply on a newline; its error (if any) goes to stderr as exit 1."""
     if io.closed:
         return 0
     if not outcome.text.endswith("\n"):
@@ -241,14 +246,7 @@ def _continue(engine: Any, prompt: str, conversation: Conversation, store: Conve
         return 130
     _record(conversation, outcome)
     _save(store, conversation, io)
-    if io.closed:
-        return 0
-    if not outcome.text.endswith("\n"):
-        io.out("\n")
-    if outcome.error:
-        io.err(f"minions-chat: {outcome.error}")
-        return 1
-    return 0
+    return _finish(outcome, io)
 
 
 def _read_line(io: PlainIO, prompt: str) -> str:

@@ -16,7 +16,7 @@ tokenizer from GGUF metadata and dequantizes every tensor on each load (20-30 s 
 2 busy cores); the folder loads in a few seconds, and the layer streamer and the
 compact forward read safetensors. Why bf16: dequantized Q4_1 values are
 scale * q + min with fp16 scales, so bf16 keeps them to within its rounding while
-halving what a disk-tier pass reads against float32 (270 MB).
+halving what a disk-tier pass reads against float32 (212 MB of layers, not 424).
 
 The folder is written under a temporary name and renamed into place, so an
 interrupted conversion never leaves a half cache; a folder whose files fail the

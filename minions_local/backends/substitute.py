@@ -18,15 +18,14 @@ and the embedding to q8_0: about 4.2 bits per weight in the layers.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
+from minions_local.models.checksum import sha256_cached, sha256_of
 
 # llama.cpp's llama_ftype values (LLAMA_FTYPE_MOSTLY_*).
 LLAMA_FTYPES = {"q2_k": 10, "q3_k_s": 11, "q3_k_m": 12}
@@ -67,7 +66,7 @@ def _intact(out: Path, made_from: dict) -> bool:
     except (OSError, ValueError):
         return False
     return (meta.get("format") == FORMAT_VERSION and meta.get("made_from") == made_from
-            and meta.get("size") == stat.st_size and _sha256(str(out), stat.st_size, stat.st_mtime_ns) == meta.get("sha256"))
+            and meta.get("size") == stat.st_size and sha256_cached(out) == meta.get("sha256"))
 
 
 def _quantize(source: Path, out: Path, quantization: str, made_from: dict) -> None:
@@ -86,7 +85,7 @@ def _quantize(source: Path, out: Path, quantization: str, made_from: dict) -> No
             raise ModelLoadError(f"llama.cpp could not re-quantize {source} to {quantization} (status {status}).")
         stat = partial.stat()
         meta = {"format": FORMAT_VERSION, "made_from": made_from, "quantization": quantization,
-                "size": stat.st_size, "sha256": _sha256(str(partial), stat.st_size, stat.st_mtime_ns)}
+                "size": stat.st_size, "sha256": sha256_of(partial)}
         os.replace(partial, out)
         _sidecar(out).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
@@ -94,13 +93,3 @@ def _quantize(source: Path, out: Path, quantization: str, made_from: dict) -> No
                              f"the cache (MINIONS_CACHE_DIR) at a writable folder.") from None
     finally:
         partial.unlink(missing_ok=True)
-
-
-@lru_cache(maxsize=16)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    """A file's checksum, once per process while its size and time stand."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()

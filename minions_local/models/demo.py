@@ -7,12 +7,12 @@ the way to restore it instead of surfacing as a deserialisation traceback.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
 
 from minions_local.core.errors import ModelLoadError
+from minions_local.models.checksum import sha256_of
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"  # minions_local/demo_models
 RESTORE = ("Restore it by reinstalling minions-local (pip install --force-reinstall minions-local, or "
@@ -37,15 +37,6 @@ def _manifest() -> dict:
         raise ModelLoadError(f"The demo model family is missing ({path} not found). {RESTORE}") from None
     except ValueError:
         raise ModelLoadError(f"{path} is damaged. {RESTORE}") from None
-
-
-def sha256_of(path: Path) -> str:
-    """The checksum the manifest records (the release script writes it with this)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @lru_cache(maxsize=None)

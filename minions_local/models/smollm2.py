@@ -26,20 +26,19 @@ manifest is rebuilt, and the progress callback says why.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import io
 import json
 import logging
 import os
 import shutil
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
 from minions_local.models.builtin import CACHE_ENV, SMOLLM2, builtin_path
+from minions_local.models.checksum import sha256_cached, sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def shipped_gguf() -> Path:
 
 def check_shipped_checksum(path: Path) -> None:
     """The full checksum of the wheel's file (read once per conversion, ~0.2 s)."""
-    if _sha256(path) != GGUF_SHA256:
+    if sha256_of(path) != GGUF_SHA256:
         raise ModelLoadError(f"{path} is damaged (its sha256 does not match the wheel's record). "
                              f"Reinstall it: {REINSTALL}.")
 
@@ -134,7 +133,7 @@ def cache_problem(folder: Path) -> str | None:
         stat = path.stat()
         if stat.st_size != meta["size"]:
             return f"{name} has the wrong size"
-        if _sha256_cached(str(path), stat.st_size, stat.st_mtime_ns) != meta["sha256"]:
+        if sha256_cached(path) != meta["sha256"]:
             return f"{name} fails its checksum"
     return None
 
@@ -187,7 +186,7 @@ def _write_folder(source: Path, out: Path, report: "_Reporter") -> None:
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report.step(0.97, "writing the checksums")
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(out.iterdir())}
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(out.iterdir())}
     manifest = {"format": FORMAT_VERSION, "source": f"{WHEEL}:{GGUF_NAME}", "source_sha256": GGUF_SHA256,
                 "dtype": "bfloat16", "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -249,16 +248,3 @@ class _Reporter:
         self.step(1.0, "done")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@lru_cache(maxsize=64)
-def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
-    """A file's checksum, computed once per process while its size and time stand
-    (0.3 s for the 270 MB of weights, paid on the first load of a session)."""
-    return _sha256(Path(path))

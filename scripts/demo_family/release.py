@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from minions_local.models.demo import sha256_of
+from minions_local.models.checksum import sha256_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 MANIFEST = "manifest.json"

@@ -10,6 +10,10 @@ A candidate's priority is its path log-probability, or, for sampled children
 (`ranked`), the parent's priority plus the static score of each draw's rank
 (core.protocols.rank_log_score): a sampled tree's shape must not depend on what was
 drawn. Ties go to the candidate offered first.
+
+A frontier outlives its step when a minion grows ahead (see Minion.grow_ahead):
+`reroot` turns the subtree below the target's bonus token, waiting candidates
+included, into the next step's head start.
 """
 
 from __future__ import annotations
@@ -89,3 +93,25 @@ class Frontier:
             self._priorities.append(-neg_priority)
             self.depths.append(depth)
         return batch
+
+    def reroot(self, node: int) -> tuple[Frontier, dict[int, int]]:
+        """The frontier of the subtree below `node`, which becomes the root (-1): its
+        nodes, their waiting candidates, and their priorities, path log-probabilities and
+        depths counted from `node`, so it grows on exactly as a tree rooted there would.
+        Returns it and the old id -> new id of every node kept (`node` -> -1)."""
+        tree = self.tree
+        inside = {node: -1}
+        moved = CandidateTree()
+        base_lp, base_priority, base_depth = tree.logprobs[node], self._priorities[node], self.depths[node]
+        fresh = Frontier(moved, self.budget, ranked=self.ranked)
+        for n in range(node + 1, len(tree)):  # parents come before their children
+            if tree.parents[n] in inside:
+                inside[n] = moved.add(tree.tokens[n], inside[tree.parents[n]], tree.logprobs[n] - base_lp)
+                fresh._priorities.append(self._priorities[n] - base_priority)
+                fresh.depths.append(self.depths[n] - base_depth)
+        moved.draws = {inside[p]: d for p, d in tree.draws.items() if p in inside}
+        fresh._heap = [(neg + base_priority, tie, inside[parent], token, lp - base_lp, depth - base_depth)
+                       for neg, tie, parent, token, lp, depth in self._heap if parent in inside]
+        heapq.heapify(fresh._heap)
+        fresh._order = self._order  # ties keep their order of offer
+        return fresh, inside

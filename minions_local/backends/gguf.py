@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
-from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
 from minions_local.backends.frontier import Frontier
 
 _INSTALL_HINT = (
@@ -82,10 +83,11 @@ class GGUFMinion:
     """
 
     depth_is_free = False  # a deeper tree takes more llama_decode passes
+    grows_ahead = True
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
                  n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
-                 n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1) -> None:
+                 n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1, grow_threads: int | None = None) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise ModelLoadError(f"GGUF minion {self.path} does not exist: check the path.")
@@ -104,6 +106,8 @@ class GGUFMinion:
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
 
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.n_threads = self._threads_now = threads
+        self.grow_threads = grow_threads or os.cpu_count() or 1
         cparams = lib.llama_context_default_params()
         n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         cparams.n_ctx = n_ctx
@@ -129,8 +133,11 @@ class GGUFMinion:
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self._prefix: list[int] = []  # tokens held in sequence 0, at positions 0..len-1
-        self._tree: CandidateTree | None = None  # the last grown tree ...
-        self._node_seq: dict[int, int] = {}  # ... and the sequence of each node that ran
+        self._tree: CandidateTree | None = None  # the last grown tree below _prefix[-1] ...
+        self._frontier: Frontier | None = None  # ... the candidates waiting to join it ...
+        self._node_seq: dict[int, int] = {}  # ... the sequence of each node that ran ...
+        self._unrun: list[int] = []  # ... and its nodes that did not (outranked, or too deep)
+        self._ahead_pass = 0.0  # seconds a pass takes while growing ahead (a running average)
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **kwargs: Any) -> GGUFMinion:
@@ -139,50 +146,57 @@ class GGUFMinion:
     # --- the Minion protocol ------------------------------------------------------------
 
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
-        tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
-            return tree  # past this minion's window it abstains; the target decides alone
-        root_logits = self.prefill(context)
-        # Each node that runs takes one KV cell and one sequence id.
-        runs_left = min(self.n_ctx - len(context), self.tree_runs)
-        root_pos = len(context) - 1
-        frontier = Frontier(tree, budget)  # deterministic proposals: it cannot sample
+            return CandidateTree()  # past this minion's window it abstains; the target decides alone
+        self._use_threads(self.grow_threads)
+        try:
+            return self._grow(context, budget)
+        finally:
+            self._use_threads(self.n_threads)
 
-        def offer(logits: np.ndarray, parents: list[int]) -> None:
-            tokens, logprobs = _top_children(logits, budget.top_k)
-            for row, parent in enumerate(parents):
-                frontier.offer(parent, zip(tokens[row].tolist(), logprobs[row].tolist()))
+    def _grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
+        frontier = self._frontier
+        if frontier is not None and self._prefix == list(context):
+            # Grown ahead during the last verification and carried over by commit():
+            # the tree below this root is partly grown already, its KV cells in place.
+            frontier.budget = budget
+        else:
+            root_logits = self.prefill(context)
+            frontier = self._frontier = Frontier(CandidateTree(), budget)  # deterministic: it cannot sample
+            self._tree = frontier.tree
+            self._offer(frontier, root_logits[None, :], [-1])
+        self._extend(frontier)
+        return _proposal(frontier, budget)
 
-        offer(root_logits[None, :], [-1])
-        self._tree = tree
-        next_seq = 1
-        while frontier.can_take():
-            batch = frontier.take()
-            # Run only nodes that may still get children (see Frontier.worth_running) and
-            # that a sequence id is free for.
-            expand = frontier.worth_running(batch)[:min(runs_left - (next_seq - 1), self.n_batch)]
-            if not expand:
-                continue
-            for node in expand:
-                parent = tree.parents[node]
-                self._node_seq[node] = next_seq
-                self._lib.llama_memory_seq_cp(self._mem, self._node_seq.get(parent, 0), next_seq, -1, -1)
-                next_seq += 1
-            logits = self._decode([tree.tokens[n] for n in expand],
-                                  [root_pos + frontier.depths[n] for n in expand],
-                                  [self._node_seq[n] for n in expand], all_logits=True)
-            offer(logits, expand)
-        return tree
+    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
+        """Go on growing the last tree, best first, while the target verifies it: the
+        subtree below the token the target ends on is the next step's head start (see
+        commit). `budget` bounds the whole tree; a pass starts only if `window` allows
+        its expected time. Returns the nodes added."""
+        frontier = self._frontier
+        if frontier is None:
+            return 0
+        before = len(frontier.tree)
+        frontier.budget = budget
+        self._extend(frontier, window)
+        return len(frontier.tree) - before
+
+    def _use_threads(self, threads: int) -> None:
+        if threads != self._threads_now:
+            self._lib.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads_now = threads
 
     def commit(self, accepted: list[int]) -> None:
-        """Keep the accepted path's KV cells (they ran during grow) and drop the rest."""
-        self._keep_tree_path(self._prefix + list(accepted))
+        """Keep the accepted path's KV cells (they ran during grow) and drop the rest,
+        except the subtree below the bonus token when it ran too (grown ahead): that
+        subtree, cells and waiting candidates included, starts the next step's tree."""
+        if not self._carry(accepted):
+            self._keep_tree_path(self._prefix + list(accepted))
 
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._mem, True)
         self._prefix = []
-        self._tree = None
-        self._node_seq = {}
+        self._forget_tree()
 
     # --- model access -------------------------------------------------------------------
 
@@ -282,8 +296,81 @@ class GGUFMinion:
             self._prefix.extend(int(t) for t in context[len(self._prefix):i])
         else:
             lib.llama_memory_seq_keep(self._mem, 0)
-        self._tree = None
+        self._forget_tree()
+
+    def _forget_tree(self) -> None:
+        self._tree = self._frontier = None
         self._node_seq = {}
+        self._unrun = []
+
+    def _carry(self, accepted: Sequence[int]) -> bool:
+        """If the accepted tokens, bonus included, are a path of the last tree whose
+        last node ran, make the subtree below it the tree of the next step."""
+        tree, frontier, lib = self._tree, self._frontier, self._lib
+        if tree is None or frontier is None or not accepted:
+            return False
+        children = {(tree.parents[n], tree.tokens[n]): n for n in range(len(tree))}
+        node = -1
+        for token in accepted:
+            node = children.get((node, int(token)), -1)
+            if node < 0:
+                return False
+        if node not in self._node_seq:
+            return False
+        frontier, inside = frontier.reroot(node)
+        seq = self._node_seq[node]
+        lib.llama_memory_seq_cp(self._mem, seq, 0, -1, -1)  # the accepted path joins the prefix
+        for n, s in self._node_seq.items():
+            if n not in inside or n == node:  # its descendants' cells keep their own sequences
+                lib.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self._prefix.extend(int(t) for t in accepted)
+        self._frontier, self._tree = frontier, frontier.tree
+        self._node_seq = {inside[n]: s for n, s in self._node_seq.items() if n in inside and n != node}
+        self._unrun = [inside[n] for n in self._unrun if n in inside]
+        return True
+
+    def _extend(self, frontier: Frontier, window: AheadWindow | None = None) -> None:
+        """Run the tree's best nodes, one batch of `budget.width` per llama_decode, until
+        the tree is full, nothing is worth running, or (growing ahead) `window` closes."""
+        tree = frontier.tree
+        used = set(self._node_seq.values())
+        free = [s for s in range(1, self.tree_runs + 1) if s not in used]
+        free.reverse()  # lowest first, as pop() takes them
+        root_pos = len(self._prefix) - 1
+        while window is None or window.allows(self._ahead_pass):
+            # Each node that runs takes one KV cell and one sequence id.
+            room = min(len(free), self.n_ctx - len(self._prefix) - len(self._node_seq), self.n_batch)
+            # Nodes that did not run before but may now (a larger budget, ahead or in
+            # the next step) go first: they are in the tree, so they rank above anything
+            # waiting. In a fresh grow none qualifies, so its tree is as before.
+            batch = frontier.worth_running(self._unrun)[:min(frontier.budget.width, room)] if room > 0 else []
+            if batch:
+                self._unrun = [n for n in self._unrun if n not in batch]
+            elif frontier.can_take():
+                taken = frontier.take()  # out of cells or sequence ids, they still join, unrun
+                batch = frontier.worth_running(taken)[:max(room, 0)]
+                self._unrun.extend(n for n in taken if n not in batch)
+            else:
+                return
+            if not batch:
+                continue
+            for node in batch:
+                self._node_seq[node] = free.pop()
+                parent_seq = self._node_seq.get(tree.parents[node], 0)
+                self._lib.llama_memory_seq_cp(self._mem, parent_seq, self._node_seq[node], -1, -1)
+            start = time.perf_counter()
+            logits = self._decode([tree.tokens[n] for n in batch],
+                                  [root_pos + frontier.depths[n] for n in batch],
+                                  [self._node_seq[n] for n in batch], all_logits=True)
+            if window is not None:
+                self._ahead_pass += 0.25 * (time.perf_counter() - start - self._ahead_pass)
+            self._offer(frontier, logits, batch)
+
+    @staticmethod
+    def _offer(frontier: Frontier, logits: np.ndarray, parents: list[int]) -> None:
+        tokens, logprobs = _top_children(logits, frontier.budget.top_k)
+        for row, parent in enumerate(parents):
+            frontier.offer(parent, zip(tokens[row].tolist(), logprobs[row].tolist()))
 
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], *, all_logits: bool) -> np.ndarray:
         """One llama_decode; logits of every token (all_logits) or of the last one."""
@@ -308,6 +395,20 @@ class GGUFMinion:
             ptr = lib.llama_get_logits_ith(self._ctx, i)
             out[r] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
         return out
+
+
+def _proposal(frontier: Frontier, budget: GrowBudget) -> CandidateTree:
+    """A copy of the frontier's tree within `budget` (a carried tree may be larger or
+    deeper): growing ahead adds to the minion's own tree while the caller still reads
+    this one. Nodes joined best first, so any first n of them form a tree."""
+    tree, out = frontier.tree, CandidateTree()
+    new_id = {-1: -1}
+    for n in range(len(tree)):
+        if len(out) >= budget.max_nodes:
+            break
+        if frontier.depths[n] <= budget.max_depth and tree.parents[n] in new_id:
+            new_id[n] = out.add(tree.tokens[n], new_id[tree.parents[n]], tree.logprobs[n])
+    return out
 
 
 def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

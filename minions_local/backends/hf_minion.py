@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from minions_local.core.sampling import processed_probs
-from minions_local.core.protocols import CandidateTree, GrowBudget
+from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.frontier import Frontier
 from minions_local.backends.hf import CachedModel
@@ -30,6 +30,7 @@ class CompactMinion(CompactModel):
 
 class HFMinion:
     depth_is_free = False  # a deeper tree takes more forward passes
+    grows_ahead = False  # its passes would compete with the target's for torch's threads
 
     def __init__(self, model, name: str, compact: bool = True, release_weights: bool = False) -> None:
         """release_weights: with the compact forward, drop the transformers modules'
@@ -92,6 +93,9 @@ class HFMinion:
         kept_parents = set(tree.parents)
         tree.draws = {p: q for p, q in tree.draws.items() if p in kept_parents}
         return tree
+
+    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
+        return 0
 
     def commit(self, accepted: list[int]) -> None:
         # Nothing to keep eagerly: the next grow() keeps the longest common prefix and

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from minions_local.core.errors import ModelLoadError
-from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
 
 _SPEC_KEYS: dict[str, Callable[[str], Any]] = {
     "name": str, "max_match": int, "min_match": int, "max_occurrences": int, "unknown_mass": float,
@@ -153,6 +153,7 @@ class NGramMinion:
         self.vocab_size = 0  # any: proposals are ids seen in the context or corpus
         self.depth_is_free = True
         """Its proposals cost nothing per level: it may grow deeper than the model minions."""
+        self.grows_ahead = False  # a grow takes microseconds: nothing to hide
         self.max_match = max_match
         self.min_match = min_match
         self.max_occurrences = max_occurrences
@@ -208,6 +209,9 @@ class NGramMinion:
         self._context.sync(context)
         trie = self._vote(context, budget.max_depth)
         return self._best_first(trie, budget, tree)
+
+    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
+        return 0
 
     def commit(self, accepted: list[int]) -> None:
         # The index follows the context given to grow(): nothing to do until then.

@@ -50,6 +50,9 @@ class StepRecord:
     and rank is fitted to."""
     t_policy: float = 0.0
     """Seconds the budget policy took to choose this step's tree size."""
+    ahead_nodes: int = 0
+    """Nodes the minions grew ahead while the target verified (a head start for the
+    next step's tree when its bonus token lands on one of them)."""
     tree: "TreeSnapshot | None" = None
     """The verified tree, for display (kept small: tokens, parents, owners, accepted path)."""
 

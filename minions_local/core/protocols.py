@@ -13,6 +13,8 @@ steps and feeds the root together with the tree.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
@@ -95,6 +97,21 @@ def rank_log_score(rank: int) -> float:
     return math.log(RANK_ACCEPT) + (rank - 1) * math.log(0.5)
 
 
+class AheadWindow:
+    """How long a minion may grow ahead: until the target's verification ends (`done`
+    is set), and no minion pass that would end after `deadline` (time.perf_counter
+    seconds, the verification's predicted end) starts, since the decode loop would
+    wait for it."""
+
+    def __init__(self, deadline: float = math.inf) -> None:
+        self.done = threading.Event()
+        self.deadline = deadline
+
+    def allows(self, seconds: float) -> bool:
+        """Whether a pass of `seconds` may start now."""
+        return not self.done.is_set() and time.perf_counter() + seconds <= self.deadline
+
+
 @runtime_checkable
 class Minion(Protocol):
     """A small model (or cheap heuristic) that proposes continuations."""
@@ -105,6 +122,9 @@ class Minion(Protocol):
     depth_is_free: bool
     """True for a minion whose grow time does not grow with depth (the n-gram minion):
     it then grows to the step's depth cap, not the depth the cost model chose."""
+    grows_ahead: bool
+    """True for a minion that can go on growing its last tree while the target verifies
+    it (grow_ahead), and start its next tree from what it grew."""
 
     def prefill(self, context: list[int]) -> None:
         """Catch up on a new prompt before the first step, reusing what is cached, so
@@ -116,6 +136,13 @@ class Minion(Protocol):
         """Propose a tree below context[-1]. Reuses its cache for the longest common
         prefix with what it saw before, so any context (a new chat turn, a rollback)
         is valid."""
+        ...
+
+    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
+        """Called on a second thread while the target verifies the last grow()'s tree
+        (only where grows_ahead): keep growing that tree within `budget` while `window`
+        allows, so that if the target's bonus token lands on a grown node, the next
+        grow() starts from the subtree below it. Returns the nodes added."""
         ...
 
     def commit(self, accepted: list[int]) -> None:

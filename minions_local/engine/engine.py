@@ -70,6 +70,7 @@ class Engine:
         max_depth: int = 8,
         top_k: int = 8,
         selection: str = "learned",
+        grow_ahead: bool | str = "auto",
         threads: int | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         stream_options: dict[str, Any] | None = None,
@@ -86,6 +87,9 @@ class Engine:
         selection: "learned" (vote weights follow acceptance; a minion whose marginal
             tokens are not worth its time sits out), "all" (weights learn, all run),
             "equal" (all run, equal votes).
+        grow_ahead: let minions that can keep growing while the target verifies, giving
+            the next step a head start (speculation/ahead.py); "auto": where the target's
+            pass leaves them compute of their own.
         threads: torch CPU threads (None keeps torch's default).
         stream_options: passed to the layer streamer when the target is streamed
             (quant, buffers, cache_dir, layer_tiers).
@@ -101,7 +105,8 @@ class Engine:
             for i, spec in enumerate(minions)
         ]
         unique_names(loaded)
-        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k, selection=selection)
+        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k, selection=selection,
+                          grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
     @classmethod

@@ -40,6 +40,7 @@ def engine_kwargs_from_profile(
         "budget": budget_policy(profile, plan),
         "max_depth": profile.speculation.max_depth,
         "top_k": profile.speculation.top_k,
+        "grow_ahead": profile.speculation.grow_ahead,
         "stream_options": stream_options(profile, plan),
         "profile_name": profile.name,
         "memory_plan": plan,

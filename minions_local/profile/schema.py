@@ -232,6 +232,9 @@ class Speculation(_Section):
     max_depth: int = Field(16, ge=1, description="Tree levels below the root at most.")
     width: int = Field(8, ge=1, description="Nodes each minion adds per forward pass while growing.")
     top_k: int = Field(8, ge=1, description="Children considered per expanded node.")
+    grow_ahead: bool | Literal["auto"] = Field(
+        "auto", description="Let minions keep growing while the target verifies (a head start for the next "
+                            "tree); auto: where the target's pass leaves them compute of their own.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "Speculation":

@@ -16,6 +16,7 @@ generator derived from the request's, and verify the merged tree whole (accept.p
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -30,6 +31,7 @@ from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, Targ
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept
+from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
@@ -75,13 +77,18 @@ class Decoder:
     step's tree, and a minion selector per regime learns who grows and how each votes."""
 
     def __init__(self, target: Target, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
-                 keep_trees: bool = True, selection: str = "learned") -> None:
+                 keep_trees: bool = True, selection: str = "learned", grow_ahead: bool | str = "auto") -> None:
         self.target = target
         self.minions = minions
         self.policy = policy
         self.top_k = top_k
         self.keep_trees = keep_trees
         self.selection = selection
+        self.grow_ahead = ahead_pays(target, grow_ahead)
+        """Let minions that can go on growing while the target verifies (ahead.py)."""
+        self._verify_seconds: float | None = None
+        """A running average of the target's pass: when ahead-growing must end, where no
+        cost model predicts it."""
         self.selectors: dict[str, MinionSelector] = {}
         """One per regime: which minion pays differs between greedy and sampled decoding
         (the n-gram minion's exact repeats, say, are worth less against sampling)."""
@@ -146,11 +153,20 @@ class Decoder:
         tree = self._vote(context[-1], growth, weights, budget, sampled=draws is not None)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
-        logits = self.target.verify(context, tree)
-        _check_finite(logits)
-        path, bonus = accept(tree, logits, params, generator, max_accept=remaining - 1)
-        self.target.commit(tree, path)
+        ahead = self._grow_ahead(growth, budget)
+        try:
+            with core_for_minions(self.target, ahead is not None):
+                logits = self.target.verify(context, tree)
+            if ahead is not None:
+                ahead.close()  # the accept below overlaps the minion pass in flight
+            _check_finite(logits)
+            path, bonus = accept(tree, logits, params, generator, max_accept=remaining - 1)
+            self.target.commit(tree, path)
+        finally:
+            # Never leave a thread writing a minion's cache behind (an error, Ctrl-C).
+            ahead_nodes = ahead.finish() if ahead is not None else 0
         t2 = time.perf_counter()
+        self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
 
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         for m in self.minions:
@@ -166,7 +182,7 @@ class Decoder:
             minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
             predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
             predicted_t_grow=budget.predicted_grow_for(grown), regime=regime, t_policy=t_policy,
-            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1),
+            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1), ahead_nodes=ahead_nodes,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
@@ -202,6 +218,14 @@ class Decoder:
             if benched:
                 self._grow_one(benched[0], context, budgets[benched[0]], growth)
         return growth
+
+    def _grow_ahead(self, growth: Growth, budget: StepBudget) -> GrowingAhead | None:
+        """Start the minions that grew and can grow ahead on it while the target verifies."""
+        ahead = [self.minions[m] for m in growth.run_order if self.minions[m].grows_ahead and growth.proposals[m]]
+        if not ahead or not self.grow_ahead:
+            return None
+        expected = budget.predicted_t_verify or self._verify_seconds
+        return GrowingAhead(ahead, ahead_budget(budget.nodes, budget.depth, self.top_k), expected or math.inf)
 
     def _grow_one(self, m: int, context: list[int], budget: GrowBudget, growth: Growth) -> None:
         start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 from minions_local.backends.frontier import Frontier
 from minions_local.core.protocols import CandidateTree, GrowBudget
@@ -70,3 +71,63 @@ def test_only_nodes_whose_children_could_join_are_worth_running():
     frontier.offer(-1, [(1, math.log(0.2)), (2, math.log(0.2)), (3, math.log(0.2))])
     assert frontier.take() == [0]
     assert frontier.worth_running([0]) == []  # two waiting ties at 0.2 fill the room first
+
+
+def _toy_children(path: tuple[int, ...], k: int = 3) -> list[tuple[int, float]]:
+    """A deterministic stand-in for a minion: k children per path, log-probabilities
+    that depend on the whole path (no ties)."""
+    rng = random.Random(hash(path))
+    weights = [rng.random() + 0.01 for _ in range(k)]
+    total = sum(weights)
+    return sorted(((rng.randrange(1000), math.log(w / total)) for w in weights), key=lambda c: -c[1])
+
+
+def _grow(frontier: Frontier, prefix: tuple[int, ...] = ()) -> None:
+    tree = frontier.tree
+
+    def path(node: int) -> tuple[int, ...]:
+        out = []
+        while node >= 0:
+            out.append(tree.tokens[node])
+            node = tree.parents[node]
+        return prefix + tuple(reversed(out))
+
+    while frontier.can_take():
+        for node in frontier.take():
+            if frontier.may_expand(node):
+                frontier.offer(node, _toy_children(path(node)))
+
+
+def _paths(tree: CandidateTree) -> dict[tuple[int, ...], float]:
+    out = {}
+    for n in range(len(tree)):
+        p, node = [], n
+        while node >= 0:
+            p.append(tree.tokens[node])
+            node = tree.parents[node]
+        out[tuple(reversed(p))] = tree.logprobs[n]
+    return out
+
+
+def test_a_rerooted_frontier_grows_on_as_a_tree_grown_from_that_node():
+    """What commit() carries over when the bonus token lands on a node grown ahead: the
+    subtree below it, candidates included, grows on into exactly the tree a fresh grow
+    from that node would make (paths and log-probabilities relative to the new root)."""
+    tree = CandidateTree()
+    frontier = Frontier(tree, GrowBudget(max_nodes=40, max_depth=6, width=4))
+    frontier.offer(-1, _toy_children(()))
+    _grow(frontier)
+    node = max(range(len(tree)), key=lambda n: (frontier.depths[n] == 2, tree.logprobs[n]))  # a likely depth-2 node
+    prefix = (tree.tokens[tree.parents[node]], tree.tokens[node])
+    carried, inside = frontier.reroot(node)
+    assert inside[node] == -1 and all(carried.tree.parents[i] < i for i in range(len(carried.tree)))
+    assert len(carried.tree) == sum(1 for n in inside if n != node) > 0
+    budget = GrowBudget(max_nodes=25, max_depth=4, width=4)
+    carried.budget = budget
+    _grow(carried, prefix)
+    fresh = Frontier(CandidateTree(), budget)
+    fresh.offer(-1, _toy_children(prefix))
+    _grow(fresh, prefix)
+    got, want = _paths(carried.tree), _paths(fresh.tree)
+    assert got.keys() == want.keys()
+    assert all(math.isclose(got[p], want[p], abs_tol=1e-12) for p in want)

@@ -323,14 +323,16 @@ def test_export_script(checkpoints, tmp_path, capsys):
 
 
 @needs_llama_cpp
-def test_engine_greedy_identity_with_gguf_and_ngram(tmp_path, bpe_tokenizer):
+@pytest.mark.parametrize("grow_ahead", [False, True])
+def test_engine_greedy_identity_with_gguf_and_ngram(tmp_path, bpe_tokenizer, grow_ahead):
     from minions_local import Engine
 
     target = random_model(tiny_config("llama", vocab=VOCAB, layers=3), seed=5, scale=25.0)
     target_dir = save(target, tmp_path / "target", bpe_tokenizer)
     close_dir = save(noisy_copy(target, seed=6, noise=0.05), tmp_path / "close", bpe_tokenizer)
     close_gguf = export_gguf(close_dir, tmp_path / "close-q8_0.gguf", type="q8_0")
-    engine = Engine.from_pretrained(target_dir, [str(close_gguf), "ngram"], dtype="float32", budget=16, max_depth=6)
+    engine = Engine.from_pretrained(target_dir, [str(close_gguf), "ngram"], dtype="float32", budget=16, max_depth=6,
+                                    grow_ahead=grow_ahead)
     g = torch.Generator().manual_seed(0)
     accepted = []
     for _ in range(4):
@@ -372,3 +374,48 @@ def test_shipped_demo_minions_export_exactly(tmp_path, name):
     assert np.abs(GGUFMinion(f32, kv_type="f32").logits(ids[:48]) - ref).max() < 1e-3
     q8 = GGUFMinion(export_gguf(src, tmp_path / "m-q8_0.gguf", type="q8_0")).logits(ids[:48])
     assert (q8.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+@needs_llama_cpp
+def test_a_tree_grown_ahead_carries_into_the_next_step_with_its_cache(checkpoints, bpe_tokenizer):
+    """Growing ahead while the target verifies, then committing a path whose bonus token
+    landed on a node grown ahead: the next grow starts from that subtree, and every node
+    still scores its HF path log-probability from the new context (its KV cells sit at
+    the right positions in the right sequences). Other contexts still work after it."""
+    from minions_local.backends.gguf import GGUFMinion
+    from minions_local.core.protocols import AheadWindow
+
+    _, model, out = checkpoints["llama"]
+    minion = GGUFMinion(out, kv_type="f32", n_ctx=512)
+    context = _ids(bpe_tokenizer, SAMPLE)[:12]
+    budget = GrowBudget(max_nodes=8, max_depth=3, width=4, top_k=3)
+    first = minion.grow(context, budget)
+    assert minion.grow_ahead(GrowBudget(max_nodes=30, max_depth=6, width=2, top_k=3), AheadWindow()) > 0
+    assert len(first) == 8  # the proposal handed out is a copy: growing ahead leaves it alone
+    grown = minion._tree
+    # A node grown ahead (not in the step's tree) that ran and has children of its own.
+    ran = [n for n in minion._node_seq if n >= len(first) and n in grown.parents]
+    assert ran, "growing ahead ran nodes beyond the step's tree"
+    accepted = _path(grown, max(ran, key=lambda n: grown.logprobs[n]))  # a draft path, then the bonus
+    minion.commit(accepted)
+    context = context + accepted
+    assert minion._prefix == context and len(minion._tree) > 0  # carried
+    closing = AheadWindow()
+    closing.done.set()
+    assert minion.grow_ahead(budget, closing) == 0  # a closed window starts no pass
+    tree = minion.grow(context, GrowBudget(max_nodes=12, max_depth=3, width=4, top_k=3))
+    assert_valid_tree(tree, GrowBudget(max_nodes=12, max_depth=3), VOCAB)
+    for node in range(len(tree)):
+        path = _path(tree, node)
+        lp = _hf_logprobs(model, context + path[:-1])
+        assert tree.logprobs[node] == pytest.approx(sum(lp[len(context) - 1 + d, t] for d, t in enumerate(path)),
+                                                    abs=1e-3)
+    # A step whose bonus missed everything grown ahead, then a rollback: as fresh.
+    minion.grow_ahead(GrowBudget(max_nodes=30, max_depth=6, width=2, top_k=3), AheadWindow())
+    minion.commit([tree.tokens[0], 299])
+    context = context + [tree.tokens[0], 299]
+    for ctx in (context, context[:7]):
+        got = minion.grow(ctx, budget)
+        want = GGUFMinion(out, kv_type="f32", n_ctx=512).grow(ctx, budget)
+        assert got.tokens == want.tokens and got.parents == want.parents
+        assert np.allclose(got.logprobs, want.logprobs, atol=1e-4)

@@ -1,6 +1,7 @@
 """Trees, voting, masks, positions, acceptance and cache edits, without real models."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -202,6 +203,7 @@ class ChainMinion:
     """Proposes the chain 10, 11, 12, ... as deep as allowed (or nothing when silent)."""
 
     vocab_size = 50
+    grows_ahead = False
 
     def __init__(self, name, free=False, silent=False):
         self.name, self.depth_is_free, self.silent, self.seen = name, free, silent, []
@@ -216,6 +218,9 @@ class ChainMinion:
         for i in range(0 if self.silent else budget.max_depth):
             parent = tree.add(10 + i, parent, -0.01 * (i + 1))
         return tree
+
+    def grow_ahead(self, budget, window):
+        return 0
 
     def commit(self, accepted):
         pass
@@ -286,3 +291,69 @@ def test_a_benched_minion_grows_when_nobody_else_proposed_anything():
     result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
     assert silent.seen == [2] and model.seen == [2]
     assert result.record.accepted == 2 and result.record.minion_accepted == {"ngram": 0, "model": 2}
+
+
+class AheadMinion(ChainMinion):
+    """A chain minion that grows ahead on the decoder's worker thread (or fails there)."""
+
+    grows_ahead = True
+
+    def __init__(self, name, fail=False):
+        super().__init__(name)
+        self.fail, self.ahead, self.committed = fail, [], []
+
+    def grow_ahead(self, budget, window):
+        import threading
+
+        self.ahead.append((threading.current_thread().name, budget.max_nodes, budget.max_depth, budget.width))
+        if self.fail:
+            raise RuntimeError("llama_decode failed")
+        return 3
+
+    def commit(self, accepted):
+        self.committed.append(list(accepted))
+
+
+def test_minions_grow_ahead_on_a_worker_while_the_target_verifies_and_its_errors_surface():
+    import torch
+
+    from minions_local.speculation.ahead import AHEAD_WIDTH
+    from minions_local.speculation.decode import Decoder
+
+    minion = AheadMinion("model")
+    target = ChainTarget()
+    threads = torch.get_num_threads()
+    seen_threads = []
+    verify = target.verify
+    target.verify = lambda context, tree: (seen_threads.append(torch.get_num_threads()), verify(context, tree))[1]
+    decoder = Decoder(target, [minion], ChainPolicy(), selection="all", grow_ahead=True)
+    result = decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
+    assert minion.ahead == [("minions-ahead", 2 * 8 + 16, 2 * 2 + 2, AHEAD_WIDTH)]
+    assert result.record.ahead_nodes == 3 and minion.committed == [result.tokens]
+    assert torch.get_num_threads() == threads  # given back after the pass
+    if threads > 1 and (os.cpu_count() or 1) <= threads:
+        assert seen_threads == [threads - 1]  # a core left to the minion while the target verified
+
+    failing = AheadMinion("model", fail=True)
+    decoder = Decoder(ChainTarget(), [failing], ChainPolicy(), selection="all", grow_ahead=True)
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        decoder.step([1, 2, 3], SamplingParams(0.0), None, 100)
+    assert failing.committed == []  # nothing committed past a failed step
+
+    off = AheadMinion("model")
+    Decoder(ChainTarget(), [off], ChainPolicy(), selection="all", grow_ahead=False).step(
+        [1, 2, 3], SamplingParams(0.0), None, 100)
+    assert off.ahead == []
+
+
+def test_an_ahead_window_closes_at_its_deadline_or_when_done():
+    import math
+    import time
+
+    from minions_local.core.protocols import AheadWindow
+
+    window = AheadWindow(time.perf_counter() + 10.0)
+    assert window.allows(1.0) and not window.allows(20.0)
+    window.done.set()
+    assert not window.allows(0.0)
+    assert AheadWindow().allows(1e9) and AheadWindow().deadline == math.inf

@@ -26,7 +26,8 @@ from minions_local.backends.hf import CachedModel
 
 
 class CompactDecoder:
-    def __init__(self, model, capacity: int = 512, pack: bool = True, exact: bool = True) -> None:
+    def __init__(self, model, capacity: int = 512, pack: bool = True, exact: bool = True,
+                 row_invariant: bool = False) -> None:
         cfg = model.config
         if not supports(model):
             raise ValueError(f"the compact forward does not support this {cfg.model_type} configuration")
@@ -45,6 +46,9 @@ class CompactDecoder:
         """The lm_head's matmul when it differs from the layers' (None: the same)."""
         self.exact = exact
         """False: fewer, cheaper ops whose rounding differs from transformers (minions)."""
+        self.row_invariant = row_invariant
+        """Attention in float64 (see _attend): every row of a pass comes out as a 1-token
+        pass over the same visible keys would give it, whatever else shares the pass."""
         self.linear = F.linear
         if pack and packing_is_exact(self.dtype, self.device):
             self._pack()
@@ -158,7 +162,7 @@ class CompactDecoder:
         for i in range(len(self.layers)):
             L = self._layer(i)
             h = self._rms(x, L["ln1"])
-            qkv = self.linear(h, L["qkv"], L["qkv_bias"])
+            qkv = self._linear(h, L["qkv"], L["qkv_bias"])
             v = qkv[..., nq + nkv:].view(1, t, self.kv_heads, hd).transpose(1, 2)
             if self.exact:
                 q = _rope(qkv[..., :nq].view(1, t, self.heads, hd).transpose(1, 2), cos, sin)
@@ -170,16 +174,50 @@ class CompactDecoder:
             self.kv[i, 1, :, start:end] = v[0]
             keys = self.kv[i, 0, :, :end].unsqueeze(0)
             values = self.kv[i, 1, :, :end].unsqueeze(0)
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 enable_gqa=self.heads != self.kv_heads)
-            x = x + self.linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
+            att = self._attend(q, keys, values, mask)
+            x = x + self._linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
             h = self._rms(x, L["ln2"])
-            gate_up = self.linear(h, L["gate_up"])
-            x = x + self.linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
+            gate_up = self._linear(h, L["gate_up"])
+            x = x + self._linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
             self._done(i)
         self.length = end
         x = self._rms(x, self.norm_w)
-        return (self.head_linear or self.linear)(x[0], self.lm_head).float()
+        return self._linear(x[0], self.lm_head, head=True).float()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                head: bool = False) -> torch.Tensor:
+        """x @ weight.T (+ bias). Row invariance: oneDNN runs a single row through
+        another kernel than two or more, and on real activations it rounds some rows
+        differently (SmolLM2's down projection: 3 of 16 tree rows; every batch of 2 to
+        100 rows agreed). So a 1-token pass runs its row twice and keeps one: the same
+        kernels as a tree pass, at the cost of a row a memory-bound matmul barely notices."""
+        linear = (self.head_linear or self.linear) if head else self.linear
+        if self.row_invariant and x.shape[-2] == 1:
+            return linear(torch.cat([x, x], dim=-2), weight, bias).narrow(-2, 0, 1)
+        return linear(x, weight, bias)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Masked attention [1, H, T, hd] over the cache.
+
+        Row invariance: a bf16 tree pass must give each row what the 1-token pass of
+        autoregressive decoding gives, or a near-tie between the two best tokens flips
+        and greedy output drifts from the target's own (measured on SmolLM2, 8 chat
+        replies: 1 identical before this). Norms and RoPE act row by row, and the linear
+        layers do once a 1-token pass runs as two rows (_linear); attention does not,
+        since the rows and masked keys sharing a pass change how a row's terms are summed. In float64 that changes a row by ~1e-16 of
+        its size, which rounding back to bf16 (2^-8) erases, so every row comes out as it
+        would alone. The cost is small: attention is a few % of a small batch's FLOPs."""
+        if not self.row_invariant:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.heads != self.kv_heads)
+        _, heads, t, hd = q.shape
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        # Query heads sharing a key/value head (GQA) run as one matmul against it.
+        grouped = q.double().reshape(1, kv_heads, heads // kv_heads * t, hd)
+        scores = (grouped @ keys.double().transpose(-1, -2)).view(1, heads, t, length)
+        probs = torch.softmax(scores * hd ** -0.5 + mask.double(), dim=-1)
+        out = probs.view(1, kv_heads, heads // kv_heads * t, length) @ values.double()
+        return out.view(1, heads, t, hd).to(q.dtype)
 
 
 def fused_layer(layer, stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat) -> dict:
@@ -271,9 +309,9 @@ class CompactModel(CachedModel):
     """Whether the forward must round exactly like transformers (a target must)."""
     decoder_class = CompactDecoder
 
-    def __init__(self, model, **kwargs) -> None:
+    def __init__(self, model, *, row_invariant: bool = False, **kwargs) -> None:
         super().__init__(model, **kwargs)
-        self.decoder = self.decoder_class(model, exact=self.exact)
+        self.decoder = self.decoder_class(model, exact=self.exact, row_invariant=row_invariant)
         self.cache = None  # the decoder owns the keys and values
 
     def weight_bytes(self) -> int:

@@ -20,14 +20,14 @@ from minions_local.backends.compact import CompactDecoder, fused_layer, packing_
 
 
 class StreamedCompactDecoder(CompactDecoder):
-    def __init__(self, model, capacity: int = 512, exact: bool = True) -> None:
+    def __init__(self, model, capacity: int = 512, exact: bool = True, row_invariant: bool = False) -> None:
         self.modules = list(model.model.layers)
         self.weights = [layer_weights(layer) for layer in self.modules]
         """Per layer: what gives it its weights around each pass (None: fused at load)."""
         self.store = layer_store(model)
         self._views: dict[tuple[int, int], dict] = {}
         """(layer, address of its bound q weight) -> its fused views for that buffer."""
-        super().__init__(model, capacity=capacity, pack=False, exact=exact)
+        super().__init__(model, capacity=capacity, pack=False, exact=exact, row_invariant=row_invariant)
         if packing_is_exact(self.dtype, self.device):
             self._pack_head()  # the lm_head stays resident: prepack it once
 

@@ -16,6 +16,12 @@ the deepest accepted node's sequence drops every other branch, and that sequence
 renamed 0. Any other context (rollback, a new chat turn) keeps the longest common
 prefix of sequence 0 and runs the rest. The KV cache must be *unified* (one buffer
 for all sequences), or llama.cpp would give each sequence its own slice and copy.
+
+Growing ahead (speculation/ahead.py): while the target verifies, the same frontier
+goes on growing below the step's tree. If the accepted path ends on a node that ran
+(the bonus token included), commit() folds that path into sequence 0 and keeps the
+sequences below it: the next grow starts from that subtree and its waiting
+candidates, as if it had grown them itself.
 """
 
 from __future__ import annotations
@@ -181,11 +187,6 @@ class GGUFMinion:
         self._extend(frontier, window)
         return len(frontier.tree) - before
 
-    def _use_threads(self, threads: int) -> None:
-        if threads != self._threads_now:
-            self._lib.llama_set_n_threads(self._ctx, threads, threads)
-            self._threads_now = threads
-
     def commit(self, accepted: list[int]) -> None:
         """Keep the accepted path's KV cells (they ran during grow) and drop the rest,
         except the subtree below the bonus token when it ran too (grown ahead): that
@@ -298,6 +299,12 @@ class GGUFMinion:
             lib.llama_memory_seq_keep(self._mem, 0)
         self._forget_tree()
 
+    def _use_threads(self, threads: int) -> None:
+        """llama.cpp's thread count for the passes that follow (grow or background)."""
+        if threads != self._threads_now:
+            self._lib.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads_now = threads
+
     def _forget_tree(self) -> None:
         self._tree = self._frontier = None
         self._node_seq = {}
@@ -337,14 +344,18 @@ class GGUFMinion:
         free = [s for s in range(1, self.tree_runs + 1) if s not in used]
         free.reverse()  # lowest first, as pop() takes them
         root_pos = len(self._prefix) - 1
+        # Nodes that did not run before but may now (under a larger budget: ahead, or in
+        # the next step) go first: they are in the tree, so they rank above anything
+        # waiting. Under one budget a node once skipped stays skipped (Frontier.
+        # worth_running), so they are looked for once per call, and a fresh grow finds
+        # none: its tree is as before.
+        retry = frontier.worth_running(self._unrun)
         while window is None or window.allows(self._ahead_pass):
             # Each node that runs takes one KV cell and one sequence id.
             room = min(len(free), self.n_ctx - len(self._prefix) - len(self._node_seq), self.n_batch)
-            # Nodes that did not run before but may now (a larger budget, ahead or in
-            # the next step) go first: they are in the tree, so they rank above anything
-            # waiting. In a fresh grow none qualifies, so its tree is as before.
-            batch = frontier.worth_running(self._unrun)[:min(frontier.budget.width, room)] if room > 0 else []
+            batch = retry[:min(frontier.budget.width, room)] if room > 0 else []
             if batch:
+                retry = retry[len(batch):]
                 self._unrun = [n for n in self._unrun if n not in batch]
             elif frontier.can_take():
                 taken = frontier.take()  # out of cells or sequence ids, they still join, unrun

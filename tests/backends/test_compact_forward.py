@@ -9,6 +9,7 @@ from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.hf import CachedModel
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.core.tree import TokenTree
+from tests.helpers.rows import assert_rows_are_one_token_passes
 from tests.helpers.tiny_models import random_model, tiny_config
 
 
@@ -50,8 +51,10 @@ from minions_local.backends.hf_target import CompactTarget, HFTarget, exact_targ
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_resident_target_is_bit_identical_to_transformers(dtype):
-    """Exactness is the point: the target's logits, not just its argmax, must be the same."""
+def test_resident_target_is_exact(dtype):
+    """Exactness is the point: in float32 the target's logits are transformers', bit for
+    bit; in bf16 (where transformers' own logits change with the batch) each tree row is
+    the target's own 1-token pass, bit for bit."""
     model = random_model(tiny_config("llama"), 3).to(dtype)
     ref = HFTarget(random_model(tiny_config("llama"), 3).to(dtype))
     target = exact_target(model)
@@ -67,9 +70,15 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
     tree.add(0, 8)
     tree.add(a, 9)
     for n in (20, 57):  # the second verify runs on a cache the first one left
-        assert torch.equal(ref.verify(context[:n], tree), target.verify(context[:n], tree))
+        theirs, ours = ref.verify(context[:n], tree), target.verify(context[:n], tree)
+        if compact and dtype == torch.bfloat16:  # row-invariant instead: close to theirs, ...
+            assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+        else:
+            assert torch.equal(theirs, ours)
         ref.commit(tree, [0, a])
         target.commit(tree, [0, a])
+    if compact and dtype == torch.bfloat16:  # ... and each row is the 1-token pass's, bit for bit
+        assert_rows_are_one_token_passes(target, context, tree)
     if compact:  # the module's own copies were released: the weights are held once
         assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
         assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95
@@ -77,6 +86,7 @@ def test_resident_target_is_bit_identical_to_transformers(dtype):
 
 def test_resident_target_falls_back_where_the_compact_forward_is_not_exact(monkeypatch):
     monkeypatch.setattr(hf_target, "_same_logits", lambda reference, compact, vocab: False)
+    monkeypatch.setattr(hf_target, "_row_invariant", lambda reference, compact, vocab: False)
     model = random_model(tiny_config("llama"), 3)
     target = exact_target(model)
     assert type(target) is HFTarget and model.model.layers[0].mlp.gate_proj.weight.numel() > 0

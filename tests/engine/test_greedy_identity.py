@@ -59,13 +59,21 @@ def test_heterogeneous_minion_architectures(tmp_path, tokenizer):
         assert engine.generate(prompt, max_new_tokens=30).token_ids == hf_greedy(target, prompt, 30)
 
 
-def test_bfloat16_greedy_matches_bfloat16_target(families):
-    fam = families["llama"]
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_greedy_is_identical_to_bfloat16_autoregressive(families, arch):
+    """In bf16 the target's tree rows are row-invariant (float64 attention), so the
+    speculative reply is the autoregressive one token for token, near-ties included.
+    Random tiny models are full of near-ties: without row invariance this fails."""
+    fam = families[arch]
+    alone = Engine.from_pretrained(fam["target"], [], dtype="bfloat16")
+    engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype="bfloat16", budget=24,
+                                    max_depth=8)
     target = AutoModelForCausalLM.from_pretrained(fam["target"], dtype=torch.bfloat16).eval()
-    engine = Engine.from_pretrained(fam["target"], [fam["close"]], dtype="bfloat16", budget=8)
-    prompt = [3, 14, 15, 92, 65]
-    ours = engine.generate(prompt, max_new_tokens=20).token_ids
-    # bf16 tree and incremental passes round differently; require agreement up to the
-    # first near-tie rather than bit-identity (fp32 identity is tested above).
-    ref = hf_greedy(target, prompt, 20)
-    assert ours[:8] == ref[:8]
+    accepted = []
+    for prompt in random_prompts(6, 96, seed=21):
+        ours = engine.generate(prompt, max_new_tokens=40)
+        assert ours.token_ids == alone.generate(prompt, max_new_tokens=40).token_ids
+        accepted += [s.accepted for s in ours.steps]
+        # transformers' own bf16 passes round otherwise: the same reply up to a near-tie.
+        assert ours.token_ids[:4] == hf_greedy(target, prompt, 4)
+    assert max(accepted) >= 3

@@ -170,7 +170,8 @@ def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started:
                 lineup.notes.append(f"{m.name} read {read / 1e6:.0f} MB per pass from disk, of its "
                                     f"{size / 1e6:.0f} MB model ({m.dtype}): {why}")
     lineup.notes.append("'= AR greedy': greedy runs token-identical to the autoregressive run; a method in another "
-                        "dtype, or bf16 tree passes flipping near-ties, can differ without being wrong")
+                        "dtype (or a target that is not row-invariant in bf16, off the CPU) can differ without being "
+                        "wrong")
     for note in [*lineup.notes, *failures]:
         print(f"note: {note}")
     print(f"plot: {plot}")

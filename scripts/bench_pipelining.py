@@ -1,68 +1,77 @@
 #!/usr/bin/env python
-"""Would pipelined drafting pay? An upper bound, measured on the demo family.
+"""Does growing ahead pay? Pipelined drafting, measured on and off in one run.
 
-Minions/SPIN pipeline draft and verify: while the target verifies step t, the minions
-already grow step t+1's tree from the most likely outcome of step t. That work is
-useful only when step t ends exactly as predicted: the accepted path runs to the
-predicted leaf AND the target's bonus token there is the predicted one. This script
-runs the engine (stdlib-demo profile: the stdlib family) on held-out code prompts and counts how often the
-accepted path ends at the tree's most probable leaf: a bound on the hit rate that
-ignores the bonus token, so the real rate is lower. The saving is at most
-hit rate x (grow share of a step), before the cost of two threads sharing the cores.
+Minions and SPIN pipeline draft and verify: while the target verifies step t, the
+minions already draft step t+1. Here a llama.cpp minion keeps growing step t's tree
+below its leaves during the verification, and when the target's bonus token lands on
+a node it grew, step t+1 starts from the subtree below it (speculation/ahead.py).
+This runs two engines of one profile, growing ahead forced on and off, on the chat
+benchmark's prompts, alternating prompt by prompt, and reports the speed of each, how
+often a step started from a carried subtree, and what the target's pass cost.
 
-    python scripts/bench_pipelining.py [--prompts 4] [--max-new 96]
+    python scripts/bench_pipelining.py [--profile cpu-demo-disk] [--prompts 6] [--max-new 128]
 
-Prints the bound per mode and ends with one JSON line.
+Prints one line per mode and setting and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
-import torch
+from benchmarks.chat_prompts import chat_prompts
 
-from benchmarks.prompts import held_out_prompts
 from minions_local import Engine
-from minions_local.core.events import TreeSnapshot
+from minions_local.core.events import StepEvent
 
 
-def most_probable_leaf(tree: TreeSnapshot) -> int:
-    has_child = set(tree.parents)
-    leaves = [i for i in range(1, len(tree.tokens)) if i not in has_child]
-    return max(leaves, key=lambda i: tree.scores[i])
+def run(engine: Engine, ids: list[int], max_new: int, temperature: float) -> tuple[float, list]:
+    start = time.perf_counter()
+    records = [e.record for e in engine.stream(ids, max_new_tokens=max_new, temperature=temperature)
+               if isinstance(e, StepEvent)]
+    return time.perf_counter() - start, records
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="stdlib-demo",
-                    help="the stdlib family's profile: the held-out prompts are code it never saw")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--profile", default="cpu-demo-disk")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new", type=int, default=128)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    engine = Engine.from_profile(args.profile, threads=1)
-    prompts = held_out_prompts(engine.tokenizer, args.prompts, 200)
-    result = {"bench": "pipelining", "profile": args.profile, "prompts": len(prompts), "max_new": args.max_new}
-    for name, temperature in (("greedy", 0.0), ("sampled", 0.7)):
-        steps = hits = 0
-        grow = total = 0.0
-        for i, prompt in enumerate(prompts):
-            engine.reset()
-            out = engine.generate(prompt.ids, max_new_tokens=args.max_new, temperature=temperature, seed=i)
-            for s in out.steps:
-                grow += s.t_grow
-                total += s.t_grow + s.t_verify
-                if s.tree is None or len(s.tree.tokens) <= 1:
-                    continue
-                steps += 1
-                hits += s.tree.accepted_path[-1] == most_probable_leaf(s.tree)
-        bound = hits / steps if steps else 0.0
-        share = grow / total if total else 0.0
-        print(f"{name:8s} accepted path ended at the most probable leaf in {hits}/{steps} steps ({bound:.2f}); "
-              f"grow is {share:.2f} of a step: pipelining could save at most {bound * share:.1%} of step time")
-        result[name] = {"hit_rate_bound": round(bound, 3), "grow_share": round(share, 3),
-                        "saving_bound": round(bound * share, 3), "steps": steps}
+    engines = {ahead: Engine.from_profile(args.profile, grow_ahead=ahead) for ahead in (False, True)}
+    carriers = [m for m in engines[True].decoder.minions if m.grows_ahead]
+    if not carriers:
+        raise SystemExit(f"no minion of profile {args.profile} can grow ahead (llama.cpp minions can)")
+    prompts = chat_prompts(engines[True].tokenizer, args.prompts + 1)
+    for engine in engines.values():  # warm-up, on a prompt not measured
+        engine.generate(prompts[-1].ids, max_new_tokens=32)
+    result = {"bench": "pipelining", "profile": args.profile, "prompts": args.prompts, "max_new": args.max_new}
+    for mode, temperature in (("greedy", 0.0), ("sampled", 0.7)):
+        totals = {ahead: [0.0, []] for ahead in engines}
+        carried_before = sum(m.carries for m in carriers)
+        for prompt in prompts[:-1]:
+            for ahead, engine in engines.items():
+                seconds, records = run(engine, prompt.ids, args.max_new, temperature)
+                totals[ahead][0] += seconds
+                totals[ahead][1] += records
+        carried = sum(m.carries for m in carriers) - carried_before
+        result[mode] = {}
+        for ahead, (seconds, records) in totals.items():
+            tokens = sum(r.new_tokens for r in records)
+            row = {"tokens_per_s": round(tokens / seconds, 2), "tokens_per_pass": round(tokens / len(records), 2),
+                   "grow_ms": round(1e3 * statistics.mean(r.t_grow for r in records), 1),
+                   "verify_ms": round(1e3 * statistics.mean(r.t_verify for r in records), 1),
+                   "tree": round(statistics.mean(r.tree_size for r in records), 1),
+                   "ahead_nodes": round(statistics.mean(r.ahead_nodes for r in records), 1)}
+            if ahead:
+                row["carried_steps"] = round(carried / len(records), 3)
+            result[mode]["ahead" if ahead else "plain"] = row
+            print(f"{mode:8s} growing ahead {'on ' if ahead else 'off'}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        on, off = result[mode]["ahead"], result[mode]["plain"]
+        result[mode]["ahead_vs_plain"] = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+        print(f"{mode:8s} growing ahead: {result[mode]['ahead_vs_plain']:.2f}x")
     print(json.dumps(result))
 
 

@@ -81,6 +81,14 @@ class GGUFMinion:
         n_threads: CPU threads (default: half the cores). llama.cpp's workers spin while
             they wait, so more threads than idle cores is far slower, not faster
             (measured on 2 busy cores: 1 thread 6 ms per tree, 2 threads 140 ms).
+            Growing ahead (beside the target's pass) always uses these.
+        grow_threads: CPU threads in grow(), while the target waits for the tree
+            (default: n_threads). Alone on 2 idle cores, SmolLM2 q3_k_m, 2 threads run
+            8 tokens in 20 ms against 37 on one, and an engine alternating with a
+            1-thread one went 1.21x faster; but in scripts/bench.py's lineup (several
+            engines, the streaming reader, llama.cpp peers) 2 threads made the adaptive
+            engine 1.50x autoregressive against 1.90x with 1, same session. Until that
+            is understood, the default stays one thread on 2 cores.
         kv_type: "f16" (default, llama.cpp's own) or "f32" (bit-for-bit checks).
         n_gpu_layers: layers offloaded by a CUDA/Metal build of llama.cpp (0 = CPU).
         tree_runs: most tree nodes run per grow (<= 255, one llama.cpp sequence each).
@@ -113,7 +121,7 @@ class GGUFMinion:
 
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         self.n_threads = self._threads_now = threads
-        self.grow_threads = grow_threads or os.cpu_count() or 1
+        self.grow_threads = grow_threads or threads
         cparams = lib.llama_context_default_params()
         n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         cparams.n_ctx = n_ctx
@@ -144,6 +152,8 @@ class GGUFMinion:
         self._node_seq: dict[int, int] = {}  # ... the sequence of each node that ran ...
         self._unrun: list[int] = []  # ... and its nodes that did not (outranked, or too deep)
         self._ahead_pass = 0.0  # seconds a pass takes while growing ahead (a running average)
+        self.carries = 0
+        """Steps that started from a subtree grown ahead (see commit)."""
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **kwargs: Any) -> GGUFMinion:
@@ -334,6 +344,7 @@ class GGUFMinion:
         self._frontier, self._tree = frontier, frontier.tree
         self._node_seq = {inside[n]: s for n, s in self._node_seq.items() if n in inside and n != node}
         self._unrun = [inside[n] for n in self._unrun if n in inside]
+        self.carries += 1
         return True
 
     def _extend(self, frontier: Frontier, window: AheadWindow | None = None) -> None:

@@ -399,7 +399,7 @@ def test_a_tree_grown_ahead_carries_into_the_next_step_with_its_cache(checkpoint
     accepted = _path(grown, max(ran, key=lambda n: grown.logprobs[n]))  # a draft path, then the bonus
     minion.commit(accepted)
     context = context + accepted
-    assert minion._prefix == context and len(minion._tree) > 0  # carried
+    assert minion._prefix == context and len(minion._tree) > 0 and minion.carries == 1  # carried
     closing = AheadWindow()
     closing.done.set()
     assert minion.grow_ahead(budget, closing) == 0  # a closed window starts no pass

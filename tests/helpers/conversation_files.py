@@ -42,5 +42,15 @@ names = st.text(st.characters(blacklist_categories=["Cs"]), min_size=1, max_size
     lambda n: "/" not in n and "\x00" not in n)
 
 
+def write_files(root: Path, files) -> None:
+    """Write each (name, bytes) as root/name.json, skipping names the file system
+    refuses (too long in bytes, say)."""
+    for name, data in files:
+        try:
+            (root / f"{name}.json").write_bytes(data)
+        except OSError:
+            continue
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.helpers.conversation_files import file_bytes, names, snapshot
+from tests.helpers.conversation_files import file_bytes, names, snapshot, write_files
 from tests.helpers.fake_engine import REPLY, FakeEngine
 from tests.helpers.tui_helpers import make_app, notes, ready, send, until
 
@@ -127,11 +127,7 @@ def test_load_over_random_files_shows_only_clean_conversations(tmp_path_factory,
     monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
     root = home / "conversations"
     root.mkdir()
-    for name, data in files:
-        try:
-            (root / f"{name}.json").write_bytes(data)
-        except OSError:
-            continue
+    write_files(root, files)
     before = snapshot(root)
 
     async def browse() -> None:

@@ -9,7 +9,7 @@ import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.helpers.conversation_files import file_bytes, names, snapshot
+from tests.helpers.conversation_files import file_bytes, names, snapshot, write_files
 from tests.helpers.fake_engine import REPLY, FakeEngine, FakeFactory
 
 from minions_local.tui.cli import main
@@ -153,11 +153,7 @@ def test_resume_over_random_files_sends_only_clean_messages(tmp_path_factory, mo
     root = ConversationStore().root
     root.mkdir(parents=True)
     (home / "outside.json").write_text("keep me")
-    for name, data in files:
-        try:
-            (root / f"{name}.json").write_bytes(data)
-        except OSError:
-            continue
+    write_files(root, files)
     before = snapshot(root)
     engine = FakeEngine()
     stdin = io.StringIO("next question") if piped else TTYInput("next question\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.helpers.conversation_files import file_bytes, names, snapshot
+from tests.helpers.conversation_files import file_bytes, names, snapshot, write_files
 
 from minions_local.core.errors import MinionsError
 from minions_local.tui.store import (Conversation, ConversationFileError, ConversationStore, is_valid_id,
@@ -161,11 +161,7 @@ def test_random_files_give_only_clean_conversations_and_touch_nothing_else(tmp_p
     outside.write_text("keep me")
     root = home / "data" / "conversations"
     root.mkdir(parents=True)
-    for name, data in files:
-        try:
-            (root / f"{name}.json").write_bytes(data)
-        except OSError:  # a name the file system refuses (too long in bytes, say)
-            continue
+    write_files(root, files)
     store = ConversationStore(root)
     originals = snapshot(root)
     scan = store.scan()

@@ -130,17 +130,27 @@ def _row_invariant(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:
     theirs = reference.verify(prompt, tree)
     if not (rows - theirs).abs().max() <= 0.05 * theirs.abs().max() + 1e-3:
         return False
-    node = max(range(len(tree)), key=lambda n: tree.depths[n])
+    deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
+    return not path_rows_differing(compact, prompt, tree, rows, deepest)
+
+
+def path_rows_differing(target: HFTarget, context: list[int], tree: TokenTree, rows: torch.Tensor,
+                        node: int) -> list[int]:
+    """The nodes on the path root -> `node` whose tree row (`rows`: the pass over `tree`
+    below context[-1]) differs from the 1-token pass autoregressive decoding runs after
+    the same tokens, bit for bit. Leaves `target`'s cache reset."""
     path = [node]
     while path[-1] != 0:
         path.append(tree.parents[path[-1]])
-    path.reverse()  # the root (a prompt token), then the path's nodes
-    compact.reset()
-    context = prompt[:-1]
+    path.reverse()  # the root (context[-1]), then the path's nodes
+    target.reset()
+    ids = list(context[:-1])
+    differing = []
     for n in path:
-        context = context + [tree.tokens[n]]
-        step = TokenTree.from_root(context[-1])
-        if not torch.equal(compact.verify(context, step)[0], rows[n]):
-            return False
-        compact.commit(step, [0])
-    return True
+        ids.append(tree.tokens[n])
+        step = TokenTree.from_root(ids[-1])
+        if not torch.equal(target.verify(ids, step)[0], rows[n]):
+            differing.append(n)
+        target.commit(step, [0])
+    target.reset()
+    return differing

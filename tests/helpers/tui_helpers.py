@@ -36,6 +36,19 @@ async def until(pilot: Any, predicate: Callable[[], bool], timeout: float = 20.0
         await pilot.pause(0.01)
 
 
+async def error_shown(pilot: Any) -> Any:
+    """Wait until the error screen is current *and* composed, and return it.
+
+    The screen becomes `app.screen` when pushed, a tick before its message
+    widget is mounted; querying it in between is a race (it failed in CI)."""
+    from minions_local.tui.screens import ErrorScreen
+
+    app = pilot.app
+    await until(pilot, lambda: isinstance(app.screen, ErrorScreen) and bool(app.screen.query("#error-message")))
+    await pilot.pause()
+    return app.screen
+
+
 async def ready(pilot: Any) -> None:
     """Wait for the engine to load."""
     app = pilot.app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from tests.helpers.fake_engine import REPLY, FakeEngine, FakeFactory, pieces
-from tests.helpers.tui_helpers import make_app, notes, ready, send, text_of, until
+from tests.helpers.tui_helpers import error_shown, make_app, notes, ready, send, text_of, until
 
 from minions_local.core.errors import ContextOverflowError, ProfileError
 from minions_local.tui.screens import ConversationPicker, ErrorScreen
@@ -242,8 +242,7 @@ async def test_load_failure_shows_error_screen_without_traceback(tmp_path):
     error = ProfileError("Profile 'huge' needs 80 GB of RAM but this machine has 24 GB. Pick a smaller profile.")
     app = make_app(tmp_path, factory=FakeFactory(fail=error), profile="huge")
     async with app.run_test(size=(120, 36)) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, ErrorScreen))
-        screen = app.screen
+        screen = await error_shown(pilot)
         assert str(error) in text_of(screen.query_one("#error-message"))
         assert "/profile NAME" in text_of(screen.query_one("#error-hint"))
         await pilot.press("escape")
@@ -259,8 +258,8 @@ async def test_unexpected_load_error_is_readable(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     app = make_app(tmp_path, factory=FakeFactory(fail=RuntimeError("boom")))
     async with app.run_test(size=(120, 36)) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, ErrorScreen))
-        text = text_of(app.screen.query_one("#error-message"))
+        screen = await error_shown(pilot)
+        text = text_of(screen.query_one("#error-message"))
         assert "RuntimeError: boom" in text and "Traceback" not in text
         await pilot.press("q")
         await pilot.pause()

@@ -9,10 +9,9 @@ from __future__ import annotations
 import threading
 
 from tests.helpers.fake_engine import FakeEngine, FakeFactory
-from tests.helpers.tui_helpers import make_app, ready, send, until
+from tests.helpers.tui_helpers import error_shown, make_app, ready, send, until
 
 from minions_local.core.errors import ProfileError
-from minions_local.tui.screens import ErrorScreen
 
 SIZE = (130, 40)
 
@@ -72,8 +71,7 @@ def test_load_error_screen(snap_compare, tmp_path):
     app = make_app(tmp_path, factory=FakeFactory(fail=error), profile="rtx4090-70b")
 
     async def failed(pilot):
-        await until(pilot, lambda: isinstance(app.screen, ErrorScreen))
-        await pilot.pause()
+        await error_shown(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=failed)
 

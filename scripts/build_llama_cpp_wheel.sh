@@ -16,6 +16,9 @@
 # Usage: scripts/build_llama_cpp_wheel.sh [VERSION]
 # Env:   MINIONS_WHEEL_CACHE  cache folder (default ~/.cache/minions-local/wheels)
 #        PYTHON               interpreter to install into (default python)
+#        EXTRA_CMAKE_ARGS     more llama.cpp flags, e.g. "-DGGML_CUDA=ON" for GPU minions
+#                             (a wheel of its own in the cache: the flags are in its key)
+#        LLAMA_CPP_SOURCE     build from this local sdist instead of the index (offline)
 set -euo pipefail
 
 VERSION="${1:-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}}"
@@ -24,6 +27,9 @@ CACHE_ROOT="${MINIONS_WHEEL_CACHE:-$HOME/.cache/minions-local/wheels}"
 
 # The flags are part of the cache key: a wheel built with other flags is a different wheel.
 FLAGS_TAG="portable-nocommon"
+if [ -n "${EXTRA_CMAKE_ARGS:-}" ]; then
+    FLAGS_TAG="$FLAGS_TAG-$(printf '%s' "$EXTRA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
+fi
 PY_TAG="$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 CACHE_DIR="$CACHE_ROOT/llama-cpp-python-$VERSION-$FLAGS_TAG-$PY_TAG"
 mkdir -p "$CACHE_DIR"
@@ -40,7 +46,7 @@ EOF
     echo "building llama-cpp-python $VERSION into $CACHE_DIR (takes a few minutes)" >&2
     start=$(date +%s)
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$include_file ${EXTRA_CMAKE_ARGS:-}" \
-        "$PYTHON" -m pip wheel --no-cache-dir --no-deps "llama-cpp-python==$VERSION" -w "$CACHE_DIR"
+        "$PYTHON" -m pip wheel --no-cache-dir --no-deps "${LLAMA_CPP_SOURCE:-llama-cpp-python==$VERSION}" -w "$CACHE_DIR"
     echo "built in $(( $(date +%s) - start )) s" >&2
     wheels=("$CACHE_DIR"/llama_cpp_python-"$VERSION"-*.whl)
     if (( ${#wheels[@]} == 0 )); then

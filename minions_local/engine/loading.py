@@ -102,7 +102,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
                  dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
     text = spec.path
     if spec.kind == "substitute":
-        minion = _load_substitute(spec, progress)
+        minion = _load_substitute(spec, progress, device)
         check_vocabulary(target_path, target_tokenizer, target_vocab, minion.path, None, minion.vocab_size)
         return minion
     if spec.kind == "self_draft":
@@ -129,7 +129,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     if text.endswith(".gguf"):
         from minions_local.backends.gguf import GGUFMinion
 
-        minion = GGUFMinion.from_path(Path(text).expanduser())
+        minion = GGUFMinion.from_path(Path(text).expanduser(), n_gpu_layers=gguf_gpu_layers(device, text))
         check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
         return minion
     path = check_model_folder(prepare_builtin(text, progress), f"minion {index}")
@@ -146,7 +146,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     return minion
 
 
-def _load_substitute(spec: MinionSpec, progress: Progress | None) -> Minion:
+def _load_substitute(spec: MinionSpec, progress: Progress | None, device: str) -> Minion:
     """The target re-quantized by llama.cpp (made once into the cache), as a GGUF minion."""
     from minions_local.backends.gguf import GGUFMinion, import_llama_cpp
     from minions_local.backends.substitute import substitute_gguf
@@ -171,7 +171,22 @@ def _load_substitute(spec: MinionSpec, progress: Progress | None) -> Minion:
     name = spec.name or spec.quantization
     file = substitute_gguf(source, spec.quantization, models_cache() / f"{stem}.{spec.quantization}.gguf",
                            name=name, progress=progress)
-    return GGUFMinion.from_path(file, name=name)
+    return GGUFMinion.from_path(file, name=name, n_gpu_layers=gguf_gpu_layers(device, name))
+
+
+def gguf_gpu_layers(device: str, name: str) -> int:
+    """llama.cpp layers to offload: all of them for a CUDA minion, which needs a CUDA
+    build of llama-cpp-python (a CPU build would silently draft on the CPU instead)."""
+    if device != "cuda":
+        return 0
+    from minions_local.backends.gguf import import_llama_cpp
+
+    if not import_llama_cpp().llama_supports_gpu_offload():
+        raise ModelLoadError(f"The minion '{name}' is set to run on CUDA, but this llama-cpp-python was built "
+                             f"without GPU support. Build and install a CUDA one: EXTRA_CMAKE_ARGS='-DGGML_CUDA=ON' "
+                             f"PYTHON=.venv/bin/python bash scripts/build_llama_cpp_wheel.sh; or set the "
+                             f"minion's device = \"cpu\".")
+    return 999  # every layer (llama.cpp clamps it to the model's count)
 
 
 def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_path: Path, minion_tok,

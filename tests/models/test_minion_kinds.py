@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from minions_local.core.errors import ModelLoadError, ProfileError
 from minions_local.core.protocols import GrowBudget
-from minions_local.engine.loading import MinionSpec, _load_substitute
+from minions_local.engine.loading import MinionSpec, _load_substitute, gguf_gpu_layers
 from minions_local.profile import load_profile
 
 PROFILE = """
@@ -89,14 +89,32 @@ def test_a_substitute_without_llama_cpp_says_how_to_get_it(tmp_path, monkeypatch
     source = tmp_path / "target.gguf"
     source.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError) as err:
-        _load_substitute(MinionSpec(str(source), kind="substitute", quantization="q3_k_m"), progress=None)
+        _load_substitute(MinionSpec(str(source), kind="substitute", quantization="q3_k_m"), progress=None, device="cpu")
     text = str(err.value)
     assert "re-quantized by llama.cpp" in text and "bash scripts/setup.sh" in text and "--minion ngram" in text
 
 
+def test_a_cuda_gguf_minion_offloads_every_layer_or_says_its_build_cannot(monkeypatch):
+    import minions_local.backends.gguf as gguf
+
+    class Build:
+        gpu = False
+
+        def llama_supports_gpu_offload(self):
+            return self.gpu
+
+    build = Build()
+    monkeypatch.setattr(gguf, "import_llama_cpp", lambda: build)
+    assert gguf_gpu_layers("cpu", "q3_k_m") == 0
+    with pytest.raises(ModelLoadError, match=r"without GPU support.*GGML_CUDA=ON.*device = .cpu."):
+        gguf_gpu_layers("cuda", "q3_k_m")
+    build.gpu = True
+    assert gguf_gpu_layers("cuda", "q3_k_m") >= 999
+
+
 def test_a_substitute_needs_a_gguf_of_the_target(tmp_path):
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
-        _load_substitute(MinionSpec(str(tmp_path), kind="substitute", quantization="q3_k_m"), progress=None)
+        _load_substitute(MinionSpec(str(tmp_path), kind="substitute", quantization="q3_k_m"), progress=None, device="cpu")
 
 
 def test_self_draft_is_the_targets_first_layers_and_its_head(families):

@@ -165,22 +165,29 @@ class Lineup:
         offload_root = self.workdir / "hf-offload" if self.private_packs else HF_OFFLOAD_DIR
         checkpoint = private_copy(self.target, offload_root / f"{self.target.name}-checkpoint") \
             if self.tier == "disk" else self.target
+        device = load_profile(self.profile).hardware.device
         for name in self.dtypes:
             dtype = compute_dtype(name)
             offload = offload_root / f"{self.target.name}-{name}" if self.tier == "disk" else None
-            model = load_hf(checkpoint, dtype, offload_folder=offload)
+            # On a GPU the RAM tier's peer is accelerate's CPU offload: layers in host RAM,
+            # each copied to the GPU as it runs.
+            layers_on = "disk" if offload else "cpu" if device == "cuda" else None
+            model = load_hf(checkpoint, dtype, offload_folder=offload, device=device, layers_on=layers_on)
             drop = page_cache_dropper(offload, checkpoint) if offload else None
-            where = ", accelerate disk offload" if offload else ""
+            where = f", accelerate {layers_on} offload" if layers_on else ""
             plain += self._threads(HFMethod("hf", model, 1, eos_id=eos, detail=f"{name}{where}", dtype=name,
                                             before_pass=drop))
             # The target's model object is shared: its page-cache dropper is already hooked.
-            assistant = load_hf(self.target, dtype, layers=k)
+            assistant = load_hf(self.target, dtype, layers=k, device=device)
             assisted += self._threads(HFMethod(f"hf assisted first-{k}-layers", model, 1, assistant=assistant,
                                                eos_id=eos, dtype=name,
                                                detail=f"{name}{where}, the target's first {k} layers + norm + head"))
             lookup += self._threads(HFMethod("hf prompt-lookup", model, 1, prompt_lookup=PROMPT_LOOKUP_TOKENS,
                                              eos_id=eos, dtype=name,
                                              detail=f"{name}{where}, {PROMPT_LOOKUP_TOKENS} tokens"))
+        if layers_on == "cpu":
+            self.notes.append("transformers: decoder layers in host RAM, moved to the GPU layer by layer by "
+                              "accelerate (device_map 'cpu'); embeddings, norm, head and the assistant on the GPU")
         if self.tier == "disk":
             self.notes.append(f"transformers: decoder layers offloaded to disk by accelerate, from a private copy "
                               f"of the checkpoint (offload folders under {offload_root}); their page cache is "

@@ -136,7 +136,7 @@ class HFMethod(Method):
     def run(self, ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
         torch.set_num_threads(self.threads)
         torch.manual_seed(seed)
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=self.model.get_input_embeddings().weight.device)
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
             else dict(do_sample=False)
         extra: dict[str, Any] = {}
@@ -166,22 +166,32 @@ def param_bytes(model) -> int:
     return total
 
 
-def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = None, layers: int | None = None):
-    """A transformers model, resident, or with its decoder layers offloaded to disk by
-    accelerate. layers=K: only the first K decoder layers, then the model's own final
-    norm and head (a truncated copy of the model, built from its own weights)."""
+def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = None, layers: int | None = None,
+            device: str = "cpu", layers_on: str | None = None):
+    """A transformers model, resident, or with its decoder layers offloaded by
+    accelerate: to disk (offload_folder; layers_on="disk"), or on a CUDA device to host
+    RAM (layers_on="cpu": accelerate copies each layer to the GPU as it runs, the peer
+    of our RAM tier). layers=K: only the first K decoder layers, then the model's own
+    final norm and head (a truncated copy of the model, built from its own weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     options: dict[str, Any] = {"dtype": dtype}
     if layers is not None:
         options["num_hidden_layers"] = layers
-    if offload_folder is not None:
+    layers_on = layers_on or ("disk" if offload_folder is not None else None)
+    compute = 0 if device == "cuda" else "cpu"
+    if layers_on is not None:
         count = AutoConfig.from_pretrained(path).num_hidden_layers if layers is None else layers
-        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-        device_map.update({f"model.layers.{i}": "disk" for i in range(count)})
-        offload_folder.mkdir(parents=True, exist_ok=True)
-        options.update(device_map=device_map, offload_folder=str(offload_folder))
+        device_map: dict[str, Any] = {name: compute for name in
+                                      ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+        device_map.update({f"model.layers.{i}": layers_on for i in range(count)})
+        options["device_map"] = device_map
+        if offload_folder is not None:
+            offload_folder.mkdir(parents=True, exist_ok=True)
+            options["offload_folder"] = str(offload_folder)
+    elif device == "cuda":
+        options["device_map"] = {"": 0}
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a truncated copy lists every skipped layer tensor as UNEXPECTED
     try:

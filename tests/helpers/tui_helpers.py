@@ -67,6 +67,14 @@ async def send(pilot: Any, text: str) -> None:
     await pilot.pause()
 
 
+async def start(pilot: Any, text: str, engine: FakeEngine) -> None:
+    """Send `text` and wait until the reply is under way, held at the fake engine's
+    gate (FakeEngine(gate_after=N)): the in-flight half of send()."""
+    pilot.app.prompt.text = text
+    await pilot.press("enter")
+    await until(pilot, engine.waiting.is_set)
+
+
 def notes(app: ChatApp) -> list[str]:
     """Text of the app's current notifications."""
     return [n.message for n in app._notifications]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from tests.helpers.fake_engine import REPLY, FakeEngine, FakeFactory, pieces
-from tests.helpers.tui_helpers import error_shown, make_app, notes, ready, send, text_of, until
+from tests.helpers.tui_helpers import error_shown, make_app, notes, ready, send, start, text_of, until
 
 from minions_local.core.errors import ContextOverflowError, ProfileError
 from minions_local.tui.screens import ConversationPicker, ErrorScreen
@@ -72,9 +72,7 @@ async def test_reply_is_streamed_in_fragments(tmp_path):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "hi"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "hi", engine)
         reply = app.query(AssistantMessage).last()
         await until(pilot, lambda: len(reply.text) > 0 and app.query_one(StatsPanel).stats.passes == 3)
         assert REPLY.startswith(reply.text) and reply.text != REPLY
@@ -116,9 +114,7 @@ async def test_escape_stops_mid_reply_and_keeps_partial(tmp_path):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "tell me"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "tell me", engine)
         await pilot.press("escape")
         engine.gate.set()  # the 'target pass' in flight finishes; then the stream is closed
         await until(pilot, lambda: not app.generating)
@@ -143,9 +139,7 @@ async def test_ctrl_c_stops_then_second_press_quits(tmp_path, monkeypatch):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "x"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "x", engine)
         await pilot.press("ctrl+c")
         assert any("Ctrl+C again" in n for n in notes(app))
         engine.gate.set()
@@ -355,9 +349,7 @@ async def test_commands_that_switch_wait_for_the_reply(tmp_path):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "x"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "x", engine)
         app.prompt.text = "/new"
         await pilot.press("enter")
         assert any("/new waits" in n for n in notes(app))
@@ -387,9 +379,7 @@ async def test_view_follows_the_reply_until_the_user_scrolls_up(tmp_path):
         await send(pilot, "first")  # fills the view
         log = app.chat_log
         engine.gate_after = 4
-        app.prompt.text = "second"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "second", engine)
         await pilot.pause()
         assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
         await pilot.press("pageup")
@@ -469,9 +459,7 @@ async def test_quit_mid_reply_keeps_the_partial_reply(tmp_path):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "long one"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)
+        await start(pilot, "long one", engine)
         await until(pilot, lambda: bool(app.query(AssistantMessage).last().text))
         await pilot.press("ctrl+q")
     engine.gate.set()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.helpers.conversation_files import file_bytes, names, snapshot, write_files
 from tests.helpers.fake_engine import REPLY, FakeEngine
-from tests.helpers.tui_helpers import make_app, notes, ready, send, until
+from tests.helpers.tui_helpers import make_app, notes, ready, send, start, until
 
 from minions_local.tui.bridge import log as chat_log
 from minions_local.tui.screens import ConversationPicker
@@ -89,9 +89,7 @@ async def test_the_question_is_on_disk_before_the_reply_starts(tmp_path):
     app = make_app(tmp_path, engine)
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
-        app.prompt.text = "will this be kept?"
-        await pilot.press("enter")
-        await until(pilot, engine.waiting.is_set)  # the reply is under way
+        await start(pilot, "will this be kept?", engine)  # the reply is under way
         saved = store_of(tmp_path).latest()
         assert saved is not None and saved.messages == [{"role": "user", "content": "will this be kept?"}]
         engine.gate.set()

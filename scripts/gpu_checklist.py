@@ -12,7 +12,20 @@ and models over several calls). So each call names the steps it has time for; a 
 that would not finish inside --budget-s is not started, and every step's result, log
 tail and last JSON line land in ONE checklist.json (plus log.txt and the plots).
 
-Steps (issue 16's checklist; see STEPS below for the exact commands):
+A session's plan (30 minutes of device time; the calls must follow each other within
+the machine's 30 s warm window; scripts/gpu/pack.sh's header and .gpu/plan.txt say
+what each call carries):
+  here    bash scripts/gpu/pack.sh parcels && bash scripts/gpu/pack.sh slim
+  call 1  eval "$(bash scripts/gpu/unpack.sh)" && python3 scripts/gpu_checklist.py
+          --steps env,curve-int4,curve-bf16 --budget-s 480       (no model needed)
+  call 2  ... --steps stream-real,tests-gpu --budget-s 480       (the model is whole)
+  call 3  eval "$(bash scripts/gpu/unpack.sh --wait 300)" && ... --steps bench-ram
+          (bitsandbytes arrives; llama.cpp's CUDA build must be done)
+  call 4  ... --steps tests-all,autotune,chat                    (the demo family is whole)
+  then, while time is left: bench-disk, pipelining
+  here    copy the files back, `gpu_checklist.py merge`, bash scripts/gpu/pack.sh unslim
+
+Steps (issue 16's checklist; see steps() below for the exact commands):
   env          torch/CUDA/driver, which packages are importable, llama.cpp GPU offload
   tests-gpu    pytest -m gpu
   tests-all    the whole suite with CUDA visible
@@ -64,7 +77,9 @@ def steps(device: str, quick: bool, out: Path) -> dict[str, Step]:
     shape = ["--synthetic", "llama-70b"] if gpu else ["--synthetic", "llama-8b", "--layers", "2"]
     bench = [PY, "scripts/bench.py", "--profile", profile, "--out", str(out), "--no-llama-cpp", *fast]
     if not quick:
-        bench += ["--prompts", "8", "--max-new", "128", "--fixed", "16,64"]
+        # Sized for one device call: accelerate's CPU offload runs ~10x slower than ours,
+        # and a call has 10 minutes. bf16 only: on a GPU fp32 is no candidate for speed.
+        bench += ["--prompts", "4", "--max-new", "96", "--fixed", "16,64", "--dtypes", "bf16", "--threads", "4"]
     generated = out / f"{profile}-generated.toml"
     return {s.name: s for s in [
         Step("tests-gpu", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs"], 120),

@@ -36,8 +36,8 @@
 #      MINIONS_GPU_NO_BUILD=1 (never start the CUDA build: rehearsals on a CPU box),
 #      MINIONS_GPU_REBUILD=1 (start the build again after a failure),
 #      MINIONS_GPU_NO_PROJECT=1 (skip step 5, e.g. when rehearsing with a shared python),
-#      MINIONS_GPU_LLAMA_ARGS (more CMake flags for the build; e.g. -DGGML_CUDA_FA=OFF
-#      skips the flash-attention kernels, a large share of the CUDA compile)
+#      MINIONS_GPU_LLAMA_ARGS (more CMake flags for the build, after the defaults; the
+#      flash-attention kernels are off by default, -DGGML_CUDA_FA=ON builds them)
 set -uo pipefail
 
 PY="${PYTHON:-python3}"
@@ -219,7 +219,10 @@ inc="$ROOT/no_llama_common.cmake"
 # Loaded right after project(llama.cpp): skip the helper library the bindings never use.
 echo 'set(LLAMA_BUILD_COMMON OFF)' > "\$inc"
 args="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DGGML_CUDA_NCCL=OFF"
-args="\$args -DCMAKE_PROJECT_llama.cpp_INCLUDE=\$inc ${MINIONS_GPU_LLAMA_ARGS:-}"
+# FlashAttention kernels off by default: they are most of the CUDA compile, and a
+# 135M minion's short contexts gain nothing from them (llama.cpp falls back to its
+# plain attention). Set MINIONS_GPU_LLAMA_ARGS=-DGGML_CUDA_FA=ON to build them.
+args="\$args -DGGML_CUDA_FA=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=\$inc ${MINIONS_GPU_LLAMA_ARGS:-}"
 nvcc_path="\$(ls /usr/local/cuda/bin/nvcc 2> /dev/null || command -v nvcc)"
 [ -n "\$nvcc_path" ] || finish "failed (no nvcc)"
 args="\$args -DCMAKE_CUDA_COMPILER=\$nvcc_path"

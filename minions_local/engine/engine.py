@@ -27,6 +27,7 @@ from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
 from minions_local.engine.loading import context_limit, load_minion, load_target, unique_names
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
+from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder, snapshot
 from minions_local.engine import request
 from minions_local.engine.text import IncrementalText, find_stop, render_chat
@@ -105,8 +106,9 @@ class Engine:
             for i, spec in enumerate(minions)
         ]
         unique_names(loaded)
-        decoder = Decoder(target_model, loaded, make_policy(budget, max_depth), top_k=top_k, selection=selection,
-                          grow_ahead=grow_ahead)
+        policy = make_policy(budget, max_depth)
+        calibrate_policy(policy, loaded, target_model.vocab_size)  # a cost model learns the minions' real price
+        decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
     @classmethod

@@ -227,7 +227,8 @@ class Speculation(_Section):
 
     adaptive: bool = Field(True, description="Let the cost model pick the budget each step.")
     budget: int = Field(32, ge=0, description="Draft nodes per step when adaptive is off.")
-    min_budget: int = Field(1, ge=0, description="Smallest tree the adaptive budget may pick.")
+    min_budget: int = Field(1, ge=0, description="Smallest tree the adaptive budget may pick; 0 lets it decode "
+                                                 "without a tree while none pays (one step in 16 still probes).")
     max_budget: int = Field(256, ge=1, description="Largest tree the adaptive budget may pick.")
     max_depth: int = Field(16, ge=1, description="Tree levels below the root at most.")
     width: int = Field(8, ge=1, description="Nodes each minion adds per forward pass while growing.")

@@ -49,6 +49,10 @@ class CostModelBudget:
     """Starting estimate of the minions' top-1 acceptance rate, in every regime."""
     window: int = 64
     refit_every: int = 8
+    probe_every: int = 16
+    """When no tree pays (min_nodes = 0 lets the model say so), one step in this many
+    still grows the best small tree: otherwise nothing would be measured again, and a
+    stretch of text the minions predict well (a repeated code block) would go unseen."""
     _prior: CostModel | None = field(default=None, repr=False)
     _steps: deque = field(default_factory=deque, repr=False)
     """Recent (record, the budget that step was given)."""
@@ -60,6 +64,8 @@ class CostModelBudget:
     """Regimes with steps that arrived since their last fit."""
     _chosen: dict = field(default_factory=dict, repr=False)
     _last: StepBudget | None = field(default=None, repr=False)
+    _idle: int = 0
+    """Steps in a row at zero nodes (see probe_every)."""
     rates: dict = field(default_factory=dict)
     """Calibrated acceptance per regime (budget.REGIMES): a rate, or one per depth."""
     decays: dict = field(default_factory=dict)
@@ -83,12 +89,23 @@ class CostModelBudget:
         if key not in self._chosen:
             self._chosen[key] = self._best(depth_cap, regime)
         self._last = self._chosen[key]
+        if self._last.nodes == 0:
+            self._idle += 1
+            if self._idle >= self.probe_every:
+                self._idle = 0
+                probe = (depth_cap, regime, "probe")
+                if probe not in self._chosen:
+                    self._chosen[probe] = self._best(depth_cap, regime, min_nodes=max(1, self.min_nodes))
+                self._last = self._chosen[probe]
+        else:
+            self._idle = 0
         return self._last
 
-    def _best(self, depth_cap: int, regime: str) -> StepBudget:
+    def _best(self, depth_cap: int, regime: str, min_nodes: int | None = None) -> StepBudget:
         rate = self.rates[regime]
         expected = self._expected_model(regime)
-        c = expected.best_budget(rate, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
+        c = expected.best_budget(rate, min_nodes=self.min_nodes if min_nodes is None else min_nodes,
+                                 max_nodes=self.max_nodes,
                                  max_depth=depth_cap, top_k=self.top_k, sibling_decay=self.decays[regime])
         return StepBudget(nodes=c.nodes, depth=c.depth, width=max(1, c.width), depth_cap=depth_cap,
                           predicted_t_verify=c.t_verify, predicted_t_grow=c.t_grow,
@@ -102,15 +119,29 @@ class CostModelBudget:
                      for g in self.model.grow for p in [runs.get(g.name, 1.0)])
         return replace(self.model, grow=grow)
 
+    def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]]) -> None:
+        """Fold minions' timed passes (calibration.time_grow_passes) into the prior:
+        measured beats the profile's guess, so they outweigh it ten to one."""
+        self._prior = self._prior.refined(grow_samples=grow_samples, weight=0.1)
+        if self._steps:
+            self.refit()  # the steps seen so far, over the new prior
+        else:
+            self.model = self._prior
+        self._chosen.clear()
+
     def observe(self, record: StepRecord) -> None:
         self._steps.append((record, self._last))
+        predicted = record.predicted_t_grow
+        # A grow far dearer than predicted refits at once: waiting for the next regular
+        # refit would pay for several more trees the model wrongly thinks are cheap.
+        surprise = predicted is not None and record.tree_size > 0 and record.t_grow > 2 * predicted + 0.005
         if record.tree_size > 0 and record.depth > 0:
             # Acceptance is learned from each regime's own recent trees: a run of
             # sampled requests must not push the greedy ones out of the window.
             self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
             self._stale.add(record.regime)
         self._seen += 1
-        if self._seen % self.refit_every == 0:
+        if self._seen % self.refit_every == 0 or surprise:
             self.refit()
 
     def refit(self) -> None:

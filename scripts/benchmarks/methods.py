@@ -30,6 +30,7 @@ from benchmarks.llama_child import LlamaCppServer, proc_read_bytes
 from minions_local import Engine
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import BudgetPolicy
+from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder
 
 
@@ -106,6 +107,7 @@ class EngineMethod(Method):
 
 def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy, selection: str = "learned") -> Engine:
     """An engine over `base`'s already loaded target (same tier, dtype, stream options)."""
+    calibrate_policy(policy, minions, base.decoder.target.vocab_size)  # as Engine.from_pretrained does
     decoder = Decoder(base.decoder.target, list(minions), policy, top_k=base.decoder.top_k, selection=selection)
     return Engine(decoder, base.tokenizer, profile_name=base.profile_name, memory_plan=base.memory_plan)
 

@@ -303,3 +303,33 @@ def test_rank_trials_read_the_verified_tree():
     assert rank_trials(tree, [0, a, c]) == [(1, 2, 1), (2, 2, 2)]
     assert rank_trials(tree, [0, a]) == [(1, 2, 1), (2, 2, 0)]
     assert rank_trials(tree, [0, a], capped=True) == [(1, 2, 1)]  # a length limit is no rejection
+
+
+def test_when_no_tree_pays_the_policy_decodes_alone_and_probes_now_and_then():
+    """Verifying is compute-bound and growing costs more than it saves: min_nodes = 0
+    lets the policy say so, and one step in probe_every still grows, so a stretch the
+    minions predict well can win the trees back."""
+    prior = CostModel(VerifyTime(flat=0.02, base=0.02, slope=0.002), (GrowTime("m", 0.012, 0.0005),))
+    policy = CostModelBudget(prior, min_nodes=0, max_nodes=64, max_depth=8, acceptance=0.5, probe_every=8)
+    chosen = [policy.choose(1000).nodes for _ in range(32)]
+    assert chosen.count(0) == 28 and all(chosen[i] > 0 for i in (7, 15, 23, 31))
+    # The probes find the minion right every time: trees pay again.
+    for _ in range(16):
+        b = policy.choose(1000)
+        grow = prior.t_grow(b.nodes, b.depth)
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=b.depth, t_grow=grow, t_verify=prior.t_verify(b.nodes),
+                                  depth=b.depth, minion_t_grow={"m": grow} if b.nodes else {},
+                                  rank_trials=[(d, 1, 1) for d in range(1, b.depth + 1)]))
+    assert policy.choose(1000).nodes > 0
+
+
+def test_a_grow_far_dearer_than_predicted_refits_at_once():
+    """Waiting refit_every steps would pay for more trees the model wrongly thinks cheap."""
+    policy = CostModelBudget(CostModel(VerifyTime(flat=0.05, base=0.05, slope=0.0001), (GrowTime("m", 0.001, 0.0001),)),
+                             max_nodes=64, refit_every=64)
+    b = policy.choose(1000)
+    measured = 10 * b.predicted_t_grow + 0.01
+    policy.observe(StepRecord(tree_size=b.nodes, accepted=1, t_grow=measured, t_verify=0.05, depth=b.depth,
+                              minion_t_grow={"m": measured}, predicted_t_grow=b.predicted_t_grow))
+    assert policy.model.grow[0].pass_seconds(b.width) > 2 * GrowTime("m", 0.001, 0.0001).pass_seconds(b.width)
+    assert policy.choose(1000).nodes < b.nodes

@@ -1,0 +1,74 @@
+"""Timing the minions at load: the cost model starts from their real price per pass."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from minions_local.core.protocols import CandidateTree
+from minions_local.speculation.budget import FixedBudget, grow_shape
+from minions_local.speculation.calibration import calibrate_policy, time_grow_passes
+from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
+from minions_local.speculation.cost_policy import CostModelBudget
+
+BASE, PER_TOKEN = 0.004, 0.0005
+
+
+class PricedMinion:
+    """Each pass costs BASE + PER_TOKEN * width, one pass per level, like a model minion."""
+
+    vocab_size = 100
+    grows_ahead = False
+
+    def __init__(self, name="priced", free=False):
+        self.name, self.depth_is_free = name, free
+        self.contexts, self.resets = [], 0
+
+    def prefill(self, context):
+        pass
+
+    def grow(self, context, budget):
+        self.contexts.append(list(context))
+        passes, width = grow_shape(budget.max_nodes, budget.max_depth)
+        time.sleep(passes * (BASE + PER_TOKEN * width))
+        return CandidateTree()
+
+    def grow_ahead(self, budget, window):
+        return 0
+
+    def commit(self, accepted):
+        pass
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_timed_passes_are_per_pass_and_leave_the_minion_reset():
+    minion = PricedMinion()
+    samples = time_grow_passes(minion, vocab=100)
+    assert [w for w, _ in samples] == [1, 8, 16]
+    for width, seconds in samples:
+        assert seconds == pytest.approx(BASE + PER_TOKEN * width, rel=0.5, abs=0.002)
+    # Each timed grow follows a longer context, as a decoding step would.
+    assert all(len(b) > len(a) for a, b in zip(minion.contexts[1:], minion.contexts[2:]))
+    assert minion.resets == 1 and all(t < 100 for c in minion.contexts for t in c)
+
+
+def test_a_cost_model_policy_starts_from_the_timed_price():
+    cheap_guess = GrowTime("priced", base=0.0002, per_token=0.00001)  # the profile's physics, 20x off
+    policy = CostModelBudget(CostModel(VerifyTime(flat=0.02, base=0.02, slope=0.0001),
+                                       (cheap_guess, GrowTime("ngram", 0.0002, 0.0))), max_nodes=64)
+    before = policy.choose(1000)
+    free = PricedMinion("ngram", free=True)
+    samples = calibrate_policy(policy, [PricedMinion(), free], vocab=100)
+    assert set(samples) == {"priced"} and free.contexts == []  # depth-free minions cost nothing to time
+    grow = {g.name: g for g in policy.model.grow}["priced"]
+    assert grow.pass_seconds(8) == pytest.approx(BASE + 8 * PER_TOKEN, rel=0.5)
+    assert policy.choose(1000).nodes < before.nodes  # a dearer minion: a smaller tree
+
+
+def test_other_policies_are_left_alone():
+    minion = PricedMinion()
+    assert calibrate_policy(FixedBudget(nodes=8, depth=2), [minion], vocab=100) == {}
+    assert minion.contexts == []

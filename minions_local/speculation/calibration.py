@@ -13,8 +13,9 @@ at a narrow and a wide pass from the start.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from minions_local.core.events import LoadProgress
 from minions_local.core.protocols import GrowBudget, Minion
 from minions_local.speculation.budget import grow_shape
 
@@ -41,13 +42,22 @@ def time_grow_passes(minion: Minion, vocab: int, shapes: Sequence[tuple[int, int
     return samples
 
 
-def calibrate_policy(policy, minions: Sequence[Minion], vocab: int) -> dict[str, list[tuple[int, float]]]:
+def calibrate_policy(policy, minions: Sequence[Minion], vocab: int,
+                     progress: Callable[[LoadProgress], None] | None = None) -> dict[str, list[tuple[int, float]]]:
     """Time the minions whose passes cost something and fold the samples into a
     cost-model policy's prior (any other policy is left alone). Returns the samples."""
     calibrate = getattr(policy, "calibrate", None)
     if calibrate is None:
         return {}
-    samples = {m.name: time_grow_passes(m, vocab) for m in minions if not m.depth_is_free}
+    samples = {}
+    for minion in minions:
+        if minion.depth_is_free:
+            continue
+        if progress:
+            progress(LoadProgress(minion.name, "device", 0, 1, "timing its passes for the cost model"))
+        samples[minion.name] = time_grow_passes(minion, vocab)
+        if progress:
+            progress(LoadProgress(minion.name, "device", 1, 1, "ready"))
     if samples:
         calibrate(samples)
     return samples

@@ -72,3 +72,12 @@ def test_other_policies_are_left_alone():
     minion = PricedMinion()
     assert calibrate_policy(FixedBudget(nodes=8, depth=2), [minion], vocab=100) == {}
     assert minion.contexts == []
+
+
+def test_timing_is_reported_as_loading_progress():
+    policy = CostModelBudget(CostModel(VerifyTime(flat=0.02, base=0.02, slope=0.0001),
+                                       (GrowTime("priced", 0.001, 0.0001),)))
+    events = []
+    calibrate_policy(policy, [PricedMinion()], vocab=100, progress=events.append)
+    assert [(e.model, e.done_bytes, e.total_bytes) for e in events] == [("priced", 0, 1), ("priced", 1, 1)]
+    assert "timing" in events[0].message

@@ -44,8 +44,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Sleeping OpenMP workers: spinning ones slow everyone down on a shared 2-core box.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY is left as the user has it (the chat does not set it either): PASSIVE
+# makes each of llama.cpp's per-op OpenMP barriers a futex sleep, and a 2-thread minion
+# pass nearly twice as slow as a 1-thread one (backends/gguf.py, grow_threads).
 
 import torch  # noqa: E402
 

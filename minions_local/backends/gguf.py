@@ -47,6 +47,7 @@ _INSTALL_HINT = (
 _KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
 _GGML_LOG_ERROR = 4
 _MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+_MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
 _llama: Any = None
 _log_callback: Any = None  # must outlive every llama.cpp call that may log
 
@@ -83,12 +84,13 @@ class GGUFMinion:
             (measured on 2 busy cores: 1 thread 6 ms per tree, 2 threads 140 ms).
             Growing ahead (beside the target's pass) always uses these.
         grow_threads: CPU threads in grow(), while the target waits for the tree
-            (default: n_threads). Alone on 2 idle cores, SmolLM2 q3_k_m, 2 threads run
-            8 tokens in 20 ms against 37 on one, and an engine alternating with a
-            1-thread one went 1.21x faster; but in scripts/bench.py's lineup (several
-            engines, the streaming reader, llama.cpp peers) 2 threads made the adaptive
-            engine 1.50x autoregressive against 1.90x with 1, same session. Until that
-            is understood, the default stays one thread on 2 cores.
+            (default: every core, at most 8). On 2 cores, SmolLM2 q3_k_m: 8 tokens in
+            34 ms against 62 on one thread, and the disk-tier engine 2.07x/2.14x
+            autoregressive (greedy/sampled) against 1.78x/1.79x with one (bench.py
+            --quick, no peers). llama.cpp's OpenMP workers meet at a barrier after
+            every op: under OMP_WAIT_POLICY=PASSIVE each barrier is a futex sleep and
+            wake, and 2 threads run a token in 33 ms against 18 on one. bench.py once
+            set PASSIVE, which is why 2 threads had looked slower there.
         kv_type: "f16" (default, llama.cpp's own) or "f32" (bit-for-bit checks).
         n_gpu_layers: layers offloaded by a CUDA/Metal build of llama.cpp (0 = CPU).
         tree_runs: most tree nodes run per grow (<= 255, one llama.cpp sequence each).
@@ -121,7 +123,7 @@ class GGUFMinion:
 
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         self.n_threads = self._threads_now = threads
-        self.grow_threads = grow_threads or threads
+        self.grow_threads = grow_threads or max(threads, min(os.cpu_count() or 1, _MAX_GROW_THREADS))
         cparams = lib.llama_context_default_params()
         n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         cparams.n_ctx = n_ctx

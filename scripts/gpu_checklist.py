@@ -22,7 +22,10 @@ what each call carries):
   call 3  eval "$(bash scripts/gpu/unpack.sh --wait 300)" && ... --steps bench-ram
           (bitsandbytes arrives; llama.cpp's CUDA build must be done)
   call 4  ... --steps tests-all,autotune,chat                    (the demo family is whole)
-  then, while time is left: bench-disk, pipelining
+  then, while time is left: bench-disk, pipelining, and curve-int4 again: calls 1-2
+  time the curves while llama.cpp compiles on the same CPUs (the copies and kernels
+  run on the GPU, but their launches and the pinned reads need a core), so a quiet
+  rerun says whether the build skewed them
   here    copy the files back, `gpu_checklist.py merge`, bash scripts/gpu/pack.sh unslim
 
 Steps (issue 16's checklist; see steps() below for the exact commands):

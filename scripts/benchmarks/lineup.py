@@ -166,12 +166,12 @@ class Lineup:
         checkpoint = private_copy(self.target, offload_root / f"{self.target.name}-checkpoint") \
             if self.tier == "disk" else self.target
         device = load_profile(self.profile).hardware.device
+        # On a GPU the RAM tier's peer is accelerate's CPU offload: layers in host RAM,
+        # each copied to the GPU as it runs.
+        layers_on = "disk" if self.tier == "disk" else "cpu" if device == "cuda" else None
         for name in self.dtypes:
             dtype = compute_dtype(name)
             offload = offload_root / f"{self.target.name}-{name}" if self.tier == "disk" else None
-            # On a GPU the RAM tier's peer is accelerate's CPU offload: layers in host RAM,
-            # each copied to the GPU as it runs.
-            layers_on = "disk" if offload else "cpu" if device == "cuda" else None
             model = load_hf(checkpoint, dtype, offload_folder=offload, device=device, layers_on=layers_on)
             drop = page_cache_dropper(offload, checkpoint) if offload else None
             where = f", accelerate {layers_on} offload" if layers_on else ""

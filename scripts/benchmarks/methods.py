@@ -171,7 +171,7 @@ def param_bytes(model) -> int:
 def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = None, layers: int | None = None,
             device: str = "cpu", layers_on: str | None = None):
     """A transformers model, resident, or with its decoder layers offloaded by
-    accelerate: to disk (offload_folder; layers_on="disk"), or on a CUDA device to host
+    accelerate: to disk (layers_on="disk", into offload_folder), or on a CUDA device to host
     RAM (layers_on="cpu": accelerate copies each layer to the GPU as it runs, the peer
     of our RAM tier). layers=K: only the first K decoder layers, then the model's own
     final norm and head (a truncated copy of the model, built from its own weights)."""
@@ -181,7 +181,6 @@ def load_hf(path: Path, dtype: torch.dtype, *, offload_folder: Path | None = Non
     options: dict[str, Any] = {"dtype": dtype}
     if layers is not None:
         options["num_hidden_layers"] = layers
-    layers_on = layers_on or ("disk" if offload_folder is not None else None)
     compute = 0 if device == "cuda" else "cpu"
     if layers_on is not None:
         count = AutoConfig.from_pretrained(path).num_hidden_layers if layers is None else layers

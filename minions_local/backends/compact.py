@@ -55,6 +55,9 @@ class CompactDecoder:
         self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         self.kv = self._alloc(min(capacity, self.max_len))
         self.length = 0
+        self.last_hidden: torch.Tensor | None = None
+        """The last pass's final normed hidden states [T, d]: what the head read (the
+        target's features, which a feature drafter drafts from)."""
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         shape = (len(self.layers), 2, self.kv_heads, capacity, self.head_dim)
@@ -153,8 +156,7 @@ class CompactDecoder:
         """Logits [T, V] (float32) for T new tokens; mask (1, 1, T, length + T) additive."""
         t = len(tokens)
         self._reserve(self.length + t)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        x = F.embedding(ids, self.embed).unsqueeze(0)  # [1, T, d]
+        x = self._inputs(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [1, T, d]
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, hd]
         start, end = self.length, self.length + t
@@ -182,7 +184,12 @@ class CompactDecoder:
             self._done(i)
         self.length = end
         x = self._rms(x, self.norm_w)
+        self.last_hidden = x[0]
         return self._linear(x[0], self.lm_head, head=True).float()
+
+    def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for these token ids: their embeddings."""
+        return F.embedding(ids, self.embed).unsqueeze(0)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 head: bool = False) -> torch.Tensor:
@@ -333,4 +340,6 @@ class CompactModel(CachedModel):
         self.decoder.keep_entries(positions)
 
     def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.decoder.forward(tokens, mask, positions)
+        logits = self.decoder.forward(tokens, mask, positions)
+        self.last_hidden = self.decoder.last_hidden
+        return logits

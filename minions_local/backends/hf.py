@@ -194,18 +194,29 @@ class CachedModel:
         """The model call itself: logits [T, V] float32, new entries appended to the cache."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True)
+                         use_cache=True, output_hidden_states=self.keep_hidden)
         self.cache = out.past_key_values
+        if self.keep_hidden:
+            self.last_hidden = out.hidden_states[-1][0]  # transformers' last entry is the normed one
         return out.logits[0].float()
+
+    keep_hidden = False
+    """Whether passes keep their final normed hidden states in `last_hidden` (a target
+    does, for feature drafters; the compact forward always does, at no cost)."""
+    last_hidden: torch.Tensor | None = None
 
     def extend(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
         """Run a chain of tokens (prefill), in chunks to bound memory; returns the last
         chunk's logits, or None when there was nothing to run."""
-        logits = None
+        logits, hidden = None, []
         for start in range(0, len(tokens), chunk):
             part = tokens[start:start + chunk]
             n = len(part)
             base = self.cache_len
             logits = self.forward(part, np.tril(np.ones((n, n), dtype=bool)), list(range(n)), base)
             self.cached.extend(part)
+            if self.keep_hidden:
+                hidden.append(self.last_hidden)
+        if len(hidden) > 1:
+            self.last_hidden = torch.cat(hidden)
         return logits

@@ -58,13 +58,10 @@ class HFMinion:
         tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0:
             return tree
-        runner = self.runner
-        pending = runner.sync(context)
-        if not pending:  # the root was run before: re-run it to get its distribution
-            runner.truncate(len(context) - 1)
-            pending = context[-1:]
-        root_logits = runner.extend(pending)[-1]
-        base_pos = len(context) - 1  # the root's position
+        start = self._run_root(context)
+        if start is None:
+            return tree
+        root_logits, base_pos = start
         frontier = Frontier(tree, budget, ranked=budget.sampling is not None)
 
         def children(logits: torch.Tensor, parent: int) -> list[tuple[int, float]]:
@@ -84,8 +81,8 @@ class HFMinion:
             if not frontier.worth_running(batch):
                 continue  # none of these can get children: the tree fills from what waits
             first = batch[0]  # batches are contiguous node ranges
-            logits = runner.forward([tree.tokens[n] for n in batch], anc[first:len(tree), :len(tree)],
-                                    [frontier.depths[n] for n in batch], base_pos)
+            logits = self._run_nodes(tree, batch, anc[first:len(tree), :len(tree)],
+                                     [frontier.depths[n] for n in batch], base_pos)
             for row, node in enumerate(batch):
                 if frontier.may_expand(node):
                     frontier.offer(node, children(logits[row], node))
@@ -93,6 +90,20 @@ class HFMinion:
         kept_parents = set(tree.parents)
         tree.draws = {p: q for p, q in tree.draws.items() if p in kept_parents}
         return tree
+
+    def _run_root(self, context: list[int]) -> tuple[torch.Tensor, int] | None:
+        """Bring the cache up to the root and run it: (its logits, its position)."""
+        runner = self.runner
+        pending = runner.sync(context)
+        if not pending:  # the root was run before: re-run it to get its distribution
+            runner.truncate(len(context) - 1)
+            pending = context[-1:]
+        return runner.extend(pending)[-1], len(context) - 1
+
+    def _run_nodes(self, tree: CandidateTree, batch: list[int], anc: np.ndarray, depths: list[int],
+                   base_pos: int) -> torch.Tensor:
+        """Logits of one tree-masked pass over `batch`'s nodes."""
+        return self.runner.forward([tree.tokens[n] for n in batch], anc, depths, base_pos)
 
     def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
         return 0

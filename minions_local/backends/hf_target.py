@@ -16,14 +16,26 @@ from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
+from minions_local.core.protocols import common_prefix_len
 from minions_local.offload.binding import layer_weights
 
 
 class HFTarget(CachedModel):
+    keep_hidden = True
+
     def __init__(self, model, bytes_streamed: Callable[[], int] | None = None) -> None:
         super().__init__(model)
         self._bytes_streamed = bytes_streamed or (lambda: 0)
         self._prefix_len = 0
+        self._features = torch.empty(0)
+        """The final normed hidden state at each committed cache entry, in cache order:
+        what the head read there. A feature drafter (backends/eagle.py) drafts from it."""
+        self._tree_features: torch.Tensor | None = None
+
+    def features_of(self, tokens: list[int]) -> torch.Tensor:
+        """Features [m, d] of the longest prefix of `tokens` in this target's cache."""
+        m = common_prefix_len(self.cached, tokens)
+        return self._features[:m]
 
     def bytes_streamed(self) -> int:
         """Cumulative weight bytes moved into compute memory so far."""
@@ -31,13 +43,18 @@ class HFTarget(CachedModel):
 
     def prefill(self, context: list[int]) -> None:
         """Bring the cache to context[:-1], reusing the longest cached prefix."""
-        self.extend(self.sync(context[:-1]))
+        todo = self.sync(context[:-1])
+        kept = len(self.cached)
+        self.extend(todo)
+        self._keep_features(kept, self.last_hidden if todo else None)
 
     def verify(self, context: list[int], tree: TokenTree) -> torch.Tensor:
         """Logits [T, V] after each tree node (row 0: after the root)."""
         self.prefill(context)
         self._prefix_len = self.cache_len
-        return self.forward(tree.tokens, tree.ancestor_matrix(), tree.depths, self._prefix_len)
+        logits = self.forward(tree.tokens, tree.ancestor_matrix(), tree.depths, self._prefix_len)
+        self._tree_features = self.last_hidden
+        return logits
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         """Keep the prefix and the accepted path (root first) in the cache."""
@@ -47,6 +64,12 @@ class HFTarget(CachedModel):
         else:
             self.keep_entries(list(range(p)) + [p + i for i in path])
         self.cached.extend(tree.tokens[i] for i in path)
+        self._keep_features(p, self._tree_features[path])
+
+    def _keep_features(self, keep: int, new: torch.Tensor | None) -> None:
+        """The first `keep` entries' features, then `new` ones."""
+        parts = [t for t in (self._features[:keep], new) if t is not None and t.numel()]
+        self._features = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else torch.empty(0))
 
 
 class CompactTarget(CompactModel, HFTarget):

@@ -102,7 +102,8 @@ class Engine:
                                               progress=progress, stream_options=stream_options or {})
         loaded = [
             load_minion(spec, index=i, target_path=Path(target), target_tokenizer=tokenizer,
-                        target_vocab=target_model.vocab_size, dtype=torch_dtype, device=device, progress=progress)
+                        target_vocab=target_model.vocab_size, dtype=torch_dtype, device=device, progress=progress,
+                        target=target_model)
             for i, spec in enumerate(minions)
         ]
         unique_names(loaded)

@@ -55,8 +55,8 @@ def minion_spec(minion, device: str) -> Any:
 
     if minion.kind == "ngram":
         return "ngram"
-    kind = minion.kind if minion.kind in ("substitute", "self_draft") else "auto"
-    return MinionSpec(path=str(minion.path), name=minion.name, quantization=minion.quantization,
+    kind = minion.kind if minion.kind in ("substitute", "self_draft", "eagle") else "auto"
+    return MinionSpec(path=str(minion.path or ""), name=minion.name, quantization=minion.quantization,
                       device=minion.device or device, dtype=minion.dtype, kind=kind, layers=minion.layers)
 
 

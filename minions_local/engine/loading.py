@@ -31,9 +31,10 @@ class MinionSpec:
     device: str | None = None
     dtype: str | None = None
     kind: str = "auto"
-    """'auto' (by path: a .gguf file, 'ngram', or an HF folder), or one made from the
-    target's weights: 'substitute' (re-quantized to `quantization` by llama.cpp) or
-    'self_draft' (its first `layers` layers)."""
+    """'auto' (by path: a .gguf file, 'ngram', 'eagle', or an HF folder), one made from
+    the target's weights: 'substitute' (re-quantized to `quantization` by llama.cpp) or
+    'self_draft' (its first `layers` layers), or 'eagle' (a feature drafter: `path` is
+    its weights file, or empty for the one shipped for the built-in target)."""
     layers: int | None = None
 
 
@@ -73,15 +74,19 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
-                dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
-    """A minion from a spec: an HF folder, a .gguf file, 'ngram', a MinionSpec, or a
-    ready Minion object."""
+                dtype: torch.dtype | None, device: str, progress: Progress | None, target: Any = None) -> Minion:
+    """A minion from a spec: an HF folder, a .gguf file, 'ngram', 'eagle[:FILE]', a
+    MinionSpec, or a ready Minion object. `target`: the loaded target (a feature
+    drafter reads its features and shares its embeddings)."""
     if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
         return spec
     options = spec if isinstance(spec, MinionSpec) else MinionSpec(str(spec))
-    minion = _load_minion(options, index=index, target_path=target_path, target_tokenizer=target_tokenizer,
-                          target_vocab=target_vocab, dtype=resolve_dtype(options.dtype) or dtype,
-                          device=options.device or device, progress=progress)
+    if options.kind == "eagle" or options.path == "eagle" or options.path.startswith("eagle:"):
+        minion = _load_feature_drafter(options, target_path, target, progress)
+    else:
+        minion = _load_minion(options, index=index, target_path=target_path, target_tokenizer=target_tokenizer,
+                              target_vocab=target_vocab, dtype=resolve_dtype(options.dtype) or dtype,
+                              device=options.device or device, progress=progress)
     if options.name:
         minion.name = options.name
     return minion
@@ -143,6 +148,33 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     minion = HFMinion(model, name=path.name, release_weights=True)
     if progress:
         progress(LoadProgress(path.name, "device", total, total, "ready"))
+    return minion
+
+
+def _load_feature_drafter(spec: MinionSpec, target_path: Path, target: Any, progress: Progress | None) -> Minion:
+    """A feature drafter on the loaded target's embeddings, head and features."""
+    from minions_local.backends.eagle import FeatureMinion, FeatureRunner
+    from minions_local.models import drafter
+    from minions_local.models.builtin import SMOLLM2, builtin_name
+
+    if target is None or not hasattr(target, "features_of"):
+        raise ModelLoadError("A feature drafter ('eagle') reads the target's hidden states: load it with the "
+                             "engine's own target (Engine.from_pretrained or a profile).")
+    path = spec.path.removeprefix("eagle").removeprefix(":") if spec.kind != "eagle" else spec.path
+    if path:
+        weights = Path(path).expanduser()
+    elif builtin_name(target_path) == SMOLLM2:
+        weights = drafter.SHIPPED
+    else:
+        raise ModelLoadError(f"No feature drafter ships for {target_path}: train one for it with "
+                             f"scripts/train_drafter.py and give its weights file as the minion's path.")
+    name = spec.name or "eagle"
+    if progress:
+        progress(LoadProgress(name, "device", 0, 1, "joining the feature drafter to the target"))
+    model, fc = drafter.build_drafter(target.model, weights)
+    minion = FeatureMinion(FeatureRunner(model, fc), target, name)
+    if progress:
+        progress(LoadProgress(name, "device", 1, 1, "ready"))
     return minion
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -27,3 +28,39 @@ def sha256_cached(path: str | os.PathLike[str]) -> str:
 @lru_cache(maxsize=64)
 def _sha256_keyed(path: str, size: int, mtime_ns: int) -> str:
     return sha256_of(path)
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder: Path, **fields) -> None:
+    """Record every file of `folder` (size and sha256) with `fields` in its manifest."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
+             for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({**fields, "files": files}, indent=2) + "\n")
+
+
+def manifest_problem(folder: Path, **expected) -> str | None:
+    """Why `folder` is not an intact cache ('not built yet', a missing or damaged file,
+    made from other sources: a manifest field differing from `expected`), or None
+    when every file matches its manifest."""
+    if not folder.is_dir():
+        return "not built yet"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    if any(manifest.get(key) != value for key, value in expected.items()):
+        return "it was made by another version of minions-local or from another file"
+    for name, meta in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != meta["size"]:
+            return f"{name} has the wrong size"
+        if sha256_cached(path) != meta["sha256"]:
+            return f"{name} fails its checksum"
+    return None

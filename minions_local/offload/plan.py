@@ -233,6 +233,10 @@ def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):
     dims = dims or dims_for(m.path, m.dims, f"minions[{index}]")
     if m.kind == "self_draft":  # the target's first layers: its dims, fewer layers
         dims = replace(dims, layers=min(m.layers, dims.layers))
+    if m.kind == "eagle":  # one layer of the target's shape and its input projection; embeddings shared
+        dims = replace(dims, layers=1)
+        size = int((dims.attention_params + dims.mlp_params + 2 * dims.hidden ** 2) * bytes_per_param("none", m.dtype))
+        return size, kv_tokens * dims.kv_bytes_per_token(m.dtype), dims
     if m.kind == "gguf" and m.path and Path(m.path).is_file():
         size = Path(m.path).stat().st_size  # the file is exactly what gets loaded
     else:

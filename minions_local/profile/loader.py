@@ -176,8 +176,8 @@ def _resolve_minion(minion, target, relative_to: Path):
         update["path"] = resolve_model_path(minion.path, relative_to)
     elif minion.kind in OF_THE_TARGET:
         update["path"] = target.path
-        if minion.dims is None and target.dims is not None:
-            update["dims"] = target.dims
+    if (minion.kind in OF_THE_TARGET or minion.kind == "eagle") and minion.dims is None and target.dims is not None:
+        update["dims"] = target.dims  # made for the target: its shape
     return minion.model_copy(update=update) if update else minion
 
 

@@ -21,7 +21,7 @@ TargetQuantization = Literal["none", "int8", "int4"]
 MinionQuantization = Literal["none", "nf4", "int8", "q2_k", "q3_k_s", "q3_k_m"]
 LLAMA_CPP_QUANTIZATIONS = ("q2_k", "q3_k_s", "q3_k_m")
 """What llama.cpp re-quantizes a 'substitute' minion to: 3 bits or fewer per weight."""
-MinionKind = Literal["hf", "gguf", "ngram", "substitute", "self_draft"]
+MinionKind = Literal["hf", "gguf", "ngram", "substitute", "self_draft", "eagle"]
 OF_THE_TARGET = ("substitute", "self_draft")
 """Minion kinds made from the target's own weights (their path defaults to the target's)."""
 
@@ -163,13 +163,15 @@ class Minion(_Section):
         description="What the minion is: 'hf' (a model folder), 'gguf' (a .gguf file run by llama.cpp), "
         "'ngram' (continuations seen earlier in the conversation), 'substitute' (the target's own "
         "weights re-quantized by llama.cpp to `quantization`), 'self_draft' (the target's first "
-        "`layers` layers with its final norm and head).",
+        "`layers` layers with its final norm and head), 'eagle' (a one-layer feature drafter that reads "
+        "the target's own hidden states; one ships for builtin:smollm2-135m-instruct).",
     )
     path: str | None = Field(
         None,
         description="Model folder/file, same forms as target.path; none for 'ngram'. A 'substitute' "
         "or 'self_draft' defaults to the target's path (a substitute needs a GGUF of the target: "
-        "builtin:smollm2-135m-instruct has one).",
+        "builtin:smollm2-135m-instruct has one). An 'eagle' minion's path is its weights file "
+        "(scripts/train_drafter.py writes one); it defaults to the one shipped for the built-in target.",
     )
     backend: Literal["transformers", "llama_cpp", "ngram"] | None = Field(
         None, description="Runtime; defaults by kind (hf, self_draft: transformers; gguf, substitute: llama_cpp)."
@@ -195,7 +197,7 @@ class Minion(_Section):
         if self.kind == "ngram":
             if self.path is not None:
                 raise ValueError("an 'ngram' minion has no path")
-        elif not self.path and self.kind not in OF_THE_TARGET:
+        elif not self.path and self.kind not in OF_THE_TARGET + ("eagle",):
             raise ValueError(f"a '{self.kind}' minion needs a path")
         llama_cpp_type = self.quantization in LLAMA_CPP_QUANTIZATIONS
         if self.kind == "substitute" and not llama_cpp_type:
@@ -207,7 +209,7 @@ class Minion(_Section):
             raise ValueError("'layers' is set for a 'self_draft' minion, and only for one")
         if self.backend is None:
             default = {"hf": "transformers", "gguf": "llama_cpp", "ngram": "ngram", "substitute": "llama_cpp",
-                       "self_draft": "transformers"}[self.kind]
+                       "self_draft": "transformers", "eagle": "transformers"}[self.kind]
             object.__setattr__(self, "backend", default)
         if self.name is None:
             object.__setattr__(self, "name", self._default_name())
@@ -218,6 +220,8 @@ class Minion(_Section):
             return self.quantization
         if self.kind == "self_draft":
             return f"self-draft-{self.layers}"
+        if self.kind == "eagle":
+            return "eagle"
         stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(":")[-1] if self.path else "ngram"
         return stem.removesuffix(".gguf")
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from minions_local.core.errors import ModelLoadError
-from minions_local.models import smollm2
+from minions_local.models import checksum, smollm2
 from minions_local.models.builtin import CACHE_ENV, SMOLLM2, builtin_path
 
 
@@ -19,7 +19,7 @@ from minions_local.models.builtin import CACHE_ENV, SMOLLM2, builtin_path
 def test_conversion_writes_a_checksummed_hugging_face_folder(converted):
     folder, records = converted
     assert folder == builtin_path(SMOLLM2)
-    manifest = json.loads((folder / smollm2.MANIFEST).read_text())
+    manifest = json.loads((folder / checksum.MANIFEST).read_text())
     assert manifest["source_sha256"] == smollm2.GGUF_SHA256
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "generation_config.json",
                                       "tokenizer.json", "tokenizer_config.json"}
@@ -73,7 +73,7 @@ def test_a_missing_file_is_named(tmp_path):
     folder.mkdir()
     files = {"config.json": {"size": 2, "sha256": "0" * 64}}
     manifest = {"format": smollm2.FORMAT_VERSION, "source_sha256": smollm2.GGUF_SHA256, "files": files}
-    (folder / smollm2.MANIFEST).write_text(json.dumps(manifest))
+    (folder / checksum.MANIFEST).write_text(json.dumps(manifest))
     assert smollm2.cache_problem(folder) == "config.json is missing"
     (folder / "config.json").write_text("{}")
     assert smollm2.cache_problem(folder) == "config.json fails its checksum"

@@ -112,10 +112,16 @@ class FeatureMinion(HFMinion):
             return None  # the first token has no feature before it
         inputs = context[1:]  # input i pairs token context[i + 1] with the target's feature i
         runner = self.runner
-        keep = min(common_prefix_len(runner.cached, inputs), self._real, len(inputs) - 1)
-        runner.truncate(keep)
         real = self.target.features_of(context[:-1])
-        features = torch.stack([real[i] if i < len(real) else self._zero for i in range(keep, len(inputs))])
+        keep = common_prefix_len(runner.cached, inputs)
+        if len(real) > self._real:  # real features arrived for entries made from zeros: redo those
+            keep = min(keep, self._real)
+        keep = min(keep, len(inputs) - 1)  # the root is always run: its output starts the tree
+        runner.truncate(keep)
+        features = real[keep:len(inputs)]
+        if features.shape[0] < len(inputs) - keep:  # positions the target has not run: zeros
+            missing = len(inputs) - keep - features.shape[0]
+            features = torch.cat([features.to(self._zero.dtype), self._zero.expand(missing, -1)])
         logits, root_feature = runner.extend_with(inputs[keep:], features)
         self._real = min(len(inputs), len(real))
         self._node_features = {-1: root_feature}

@@ -164,10 +164,10 @@ def _load_feature_drafter(spec: MinionSpec, target_path: Path, target: Any, prog
     if path:
         weights = Path(path).expanduser()
     elif builtin_name(target_path) == SMOLLM2:
-        weights = drafter.SHIPPED
+        weights = drafter.trained_path()
     else:
-        raise ModelLoadError(f"No feature drafter ships for {target_path}: train one for it with "
-                             f"scripts/train_drafter.py and give its weights file as the minion's path.")
+        raise ModelLoadError(f"An 'eagle' minion for {target_path} needs the path of a weights file trained for "
+                             f"it (scripts/train_drafter.py trains one for the built-in SmolLM2).")
     name = spec.name or "eagle"
     if progress:
         progress(LoadProgress(name, "device", 0, 1, "joining the feature drafter to the target"))

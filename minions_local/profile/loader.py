@@ -143,6 +143,9 @@ def apply_overrides(data: dict[str, Any], *, target, minions, tier) -> dict[str,
 def _minion_override(spec: str, data: dict[str, Any]) -> dict[str, Any]:
     if spec == "ngram":
         return {"kind": "ngram"}
+    if spec == "eagle" or spec.startswith("eagle:"):  # the shipped feature drafter, or a trained file
+        weights = spec.removeprefix("eagle").removeprefix(":")
+        return {"kind": "eagle", **({"path": _from_command_line(weights)} if weights else {})}
     kind = "gguf" if spec.endswith(".gguf") else "hf"
     spec = _from_command_line(spec)
     # Keep how the profile ran minions of this kind on this machine (quantization,

@@ -164,14 +164,15 @@ class Minion(_Section):
         "'ngram' (continuations seen earlier in the conversation), 'substitute' (the target's own "
         "weights re-quantized by llama.cpp to `quantization`), 'self_draft' (the target's first "
         "`layers` layers with its final norm and head), 'eagle' (a one-layer feature drafter that reads "
-        "the target's own hidden states; one ships for builtin:smollm2-135m-instruct).",
+        "the target's own hidden states; scripts/train_drafter.py trains one for builtin:smollm2-135m-instruct).",
     )
     path: str | None = Field(
         None,
         description="Model folder/file, same forms as target.path; none for 'ngram'. A 'substitute' "
         "or 'self_draft' defaults to the target's path (a substitute needs a GGUF of the target: "
         "builtin:smollm2-135m-instruct has one). An 'eagle' minion's path is its weights file "
-        "(scripts/train_drafter.py writes one); it defaults to the one shipped for the built-in target.",
+        "(scripts/train_drafter.py writes one); for the built-in target it defaults to the one that "
+        "script trains into the user cache.",
     )
     backend: Literal["transformers", "llama_cpp", "ngram"] | None = Field(
         None, description="Runtime; defaults by kind (hf, self_draft: transformers; gguf, substitute: llama_cpp)."

@@ -13,37 +13,21 @@ from minions_local import Engine
 from minions_local.core.errors import ModelLoadError
 from minions_local.engine.loading import MinionSpec, load_minion
 from minions_local.models import drafter
-from tests.helpers.tiny_models import hf_greedy, random_model, save, tiny_config
-
-
-def drafter_file(target, path, *, copy_layer: bool, seed: int = 0):
-    """Weights for `target`: with copy_layer, fc passes the token embedding through
-    and the layer is the target's first, so a one-layer target's drafter guesses
-    nearly what it would say; else random."""
-    d = target.config.hidden_size
-    g = torch.Generator().manual_seed(seed)
-    fc = torch.randn(d, 2 * d, generator=g) * 0.05
-    if copy_layer:
-        fc = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
-    layer = {f"{drafter.LAYER_PREFIX}{k}": v.clone() for k, v in target.model.layers[0].state_dict().items()}
-    if not copy_layer:
-        layer = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in layer.items()}
-    tensors = {"fc.weight": fc, "model.norm.weight": target.model.norm.weight.detach().clone(), **layer}
-    return drafter.write_weights(tensors, {"test": True}, path)
+from tests.helpers.tiny_models import feature_drafter_file, hf_greedy, random_model, save, tiny_config
 
 
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     target = random_model(tiny_config("llama", layers=1), seed=5, scale=25.0)
-    return save(target, root / "target"), target, drafter_file(target, root / "eagle.safetensors", copy_layer=True)
+    return save(target, root / "target"), target, feature_drafter_file(target, root / "eagle.safetensors", copy_layer=True)
 
 
 @pytest.fixture(scope="module")
 def three_layers(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
     target = random_model(tiny_config("llama", layers=3), seed=6, scale=25.0)
-    return save(target, root / "target"), target, drafter_file(target, root / "eagle.safetensors", copy_layer=False)
+    return save(target, root / "target"), target, feature_drafter_file(target, root / "eagle.safetensors", copy_layer=False)
 
 
 def reference_features(model, tokens: list[int]) -> torch.Tensor:
@@ -85,7 +69,7 @@ def test_the_drafter_reads_the_feature_before_each_token(three_layers):
 
 def test_decoding_with_the_drafter_is_token_identical_and_it_is_accepted(one_layer, tmp_path):
     folder, model, weights = one_layer
-    untrained = drafter_file(model, tmp_path / "random.safetensors", copy_layer=False)
+    untrained = feature_drafter_file(model, tmp_path / "random.safetensors", copy_layer=False)
     mean_accepted = {}
     for name, path in (("copy", weights), ("random", untrained)):
         engine = Engine.from_pretrained(folder, [f"eagle:{path}"], dtype="float32", budget=8, max_depth=8)
@@ -117,15 +101,15 @@ def test_bad_drafter_files_are_refused_with_a_way_out(three_layers, tmp_path):
                            target_tokenizer=None, target_vocab=96, dtype=torch.float32, device="cpu",
                            progress=None, target=target)
 
-    with pytest.raises(ModelLoadError, match="weights are missing.*reinstall"):
+    with pytest.raises(ModelLoadError, match="weights are missing.*train_drafter.py all"):
         load(tmp_path / "absent.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ModelLoadError, match="damaged"):
         load(tmp_path / "junk.safetensors")
     wide = random_model(tiny_config("llama", hidden=32, heads=4, layers=1), seed=1)
     with pytest.raises(ModelLoadError, match="hidden size 32, not this target's 64.*train_drafter"):
-        load(drafter_file(wide, tmp_path / "wide.safetensors", copy_layer=False))
-    with pytest.raises(ModelLoadError, match="No feature drafter ships for"):
+        load(feature_drafter_file(wide, tmp_path / "wide.safetensors", copy_layer=False))
+    with pytest.raises(ModelLoadError, match="needs the path of a weights file trained for it"):
         load("")
     with pytest.raises(ModelLoadError, match="engine's own target"):
         load_minion(MinionSpec(path="eagle"), index=0, target_path=folder, target_tokenizer=None, target_vocab=96,

@@ -102,3 +102,21 @@ def hf_greedy(model, prompt: list[int], n: int, eos: int | None = EOS) -> list[i
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          pad_token_id=0, eos_token_id=eos)
     return out[0, len(prompt):].tolist()
+
+
+def feature_drafter_file(target, path, *, copy_layer: bool, seed: int = 0):
+    """Weights for `target`: with copy_layer, fc passes the token embedding through
+    and the layer is the target's first, so a one-layer target's drafter guesses
+    nearly what it would say; else random."""
+    from minions_local.models import drafter
+
+    d = target.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.randn(d, 2 * d, generator=g) * 0.05
+    if copy_layer:
+        fc = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+    layer = {f"{drafter.LAYER_PREFIX}{k}": v.clone() for k, v in target.model.layers[0].state_dict().items()}
+    if not copy_layer:
+        layer = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in layer.items()}
+    tensors = {"fc.weight": fc, "model.norm.weight": target.model.norm.weight.detach().clone(), **layer}
+    return drafter.write_weights(tensors, {"test": True}, path)

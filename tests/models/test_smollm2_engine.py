@@ -1,8 +1,11 @@
 """The default profiles on the real model, in float32: a greedy chat reply is exactly
 transformers' own greedy generate on the converted folder, resident (cpu-demo) and
-streamed from disk with every minion kind drafting (cpu-demo-disk)."""
+streamed from disk with every minion kind drafting (cpu-demo-disk), a feature
+drafter reading the streamed target's features among them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,13 +61,25 @@ def test_disk_tier_with_every_minion_kind_equals_autoregressive(reference, tmp_p
 
     kwargs = engine_kwargs_from_profile("cpu-demo-disk", dtype="float32")
     kwargs["stream_options"] = {**kwargs["stream_options"], "cache_dir": str(tmp_path)}
-    # The profile leaves the self-draft out (it does not pay without an adapter); the
-    # identity must hold with every kind.
-    substitute, ngram = kwargs["minions"]
+    # Whatever the profile lists, the identity must hold with every kind.
+    substitute = next(m for m in kwargs["minions"] if getattr(m, "kind", "") == "substitute")
     self_draft = MinionSpec(path=substitute.path, kind="self_draft", layers=8)
-    kwargs["minions"] = [substitute, self_draft, ngram]
+    # A feature drafter of the target's shape (its first layer, taking the token alone):
+    # it reads the streamed target's features.
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForCausalLM
+    from tests.helpers.tiny_models import feature_drafter_file
+
+    config = AutoConfig.from_pretrained(kwargs["target"])
+    config.num_hidden_layers = 1
+    first = LlamaForCausalLM(config)
+    state = load_file(str(Path(kwargs["target"]) / "model.safetensors"))
+    first.load_state_dict({k: state[k] for k in first.state_dict() if k in state}, strict=False)
+    eagle = MinionSpec(path=str(feature_drafter_file(first, tmp_path / "eagle.safetensors", copy_layer=True)),
+                       kind="eagle")
+    kwargs["minions"] = [substitute, eagle, self_draft, "ngram"]
     engine = Engine.from_pretrained(**kwargs)
-    assert engine.minion_names == ["q3_k_m", "self-draft-8", "ngram"]
+    assert engine.minion_names == ["q3_k_m", "eagle", "self-draft-8", "ngram"]
     assert engine.decoder.target.bytes_streamed() > 0  # the load-time check ran streamed passes
     before = engine.decoder.target.bytes_streamed()
     replies = chat(engine)

@@ -22,6 +22,7 @@ what each call carries):
   call 3  eval "$(bash scripts/gpu/unpack.sh --wait 300)" && ... --steps bench-ram
           (bitsandbytes arrives; llama.cpp's CUDA build must be done)
   call 4  ... --steps tests-all,autotune,chat                    (the demo family is whole)
+  call 5  ... --steps drafter (the feature drafter trained on the GPU; ~9 minutes)
   then, while time is left: bench-disk, pipelining, and curve-int4 again: calls 1-2
   time the curves while llama.cpp compiles on the same CPUs (the copies and kernels
   run on the GPU, but their launches and the pinned reads need a core), so a quiet
@@ -40,6 +41,8 @@ Steps (issue 16's checklist; see steps() below for the exact commands):
   bench-disk   the same streamed from disk (NVMe -> pinned RAM -> GPU)
   pipelining   growing ahead on against off (scripts/bench_pipelining.py)
   autotune     scripts/autotune.py writes a profile for this machine
+  drafter      trains the feature drafter on the GPU (8x the CPU's data) and compares it with
+               the profile's minions (scripts/train_drafter.py all); its weights come back
   chat         minions-chat --plain on that profile answers a question end to end
 """
 
@@ -84,6 +87,7 @@ def steps(device: str, quick: bool, out: Path) -> dict[str, Step]:
         # and a call has 10 minutes. bf16 only: on a GPU fp32 is no candidate for speed.
         bench += ["--prompts", "4", "--max-new", "96", "--fixed", "16,64", "--dtypes", "bf16", "--threads", "4"]
     generated = out / f"{profile}-generated.toml"
+    drafter_data = Path("/tmp/minions-gpu/drafter-data") if gpu else out / "drafter-data"
     return {s.name: s for s in [
         Step("tests-gpu", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs"], 120),
         Step("tests-all", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"], 420),
@@ -96,6 +100,14 @@ def steps(device: str, quick: bool, out: Path) -> dict[str, Step]:
         Step("pipelining", [PY, "scripts/bench_pipelining.py", "--profile", profile,
                             *(["--prompts", "2", "--max-new", "32"] if quick else [])], 240),
         Step("autotune", [PY, "scripts/autotune.py", "--profile", profile, "--quick", "--out", str(generated)], 150),
+        # The feature drafter, trained on ~8x the replies two CPU cores make in half an hour
+        # (scripts/train_drafter.py; on the CPU box 130k tokens gave 49% agreement, too
+        # little to pay). The weights come back in $OUT; the data stays on the machine.
+        Step("drafter", [PY, "scripts/train_drafter.py", "all", "--device", device,
+                         *(["--samples", "6", "--batch", "512", "--batch-tokens", "32768", "--epochs", "4"] if gpu
+                           else ["--prompts", "8", "--batch", "8", "--epochs", "1"]),
+                         "--data", str(drafter_data), "--out", str(out / "smollm2-eagle.safetensors"),
+                         "--profile", profile], 540),
         # The entry point's code, not its script: on the GPU machine the project is
         # installed into a --target folder whose bin/ is not on PATH.
         Step("chat", [PY, "-c", "import sys; from minions_local.tui.cli import main; sys.exit(main())",

@@ -2,7 +2,9 @@
 
     python scripts/train_drafter.py data     # the target answers 1000 chat requests (~10 min, 2 cores)
     python scripts/train_drafter.py train    # its features, then the drafter (~25 min)
-    python scripts/train_drafter.py all      # both; writes the drafter into the user cache
+    python scripts/train_drafter.py eval     # does it pay? against the profile's minions
+    python scripts/train_drafter.py all      # all three; writes the drafter into the user cache
+    python scripts/train_drafter.py all --device cuda --samples 8 --batch 512   # on a GPU
 
 The drafter (minions_local/backends/eagle.py) is one layer that reads the target's
 final hidden states; only its layer, norm and input projection are trained and
@@ -37,24 +39,43 @@ def bench_messages() -> tuple[str, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("data", "train", "all"))
-    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("step", choices=("data", "train", "eval", "all"))
+    parser.add_argument("--prompts", type=int, default=1000, help="distinct training requests")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="replies per request (1: half greedy, half T=0.7; more: one greedy, the rest T=0.7)")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU makes 10x the data in minutes)")
+    parser.add_argument("--batch", type=int, default=64, help="replies generated at once")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per training step")
+    parser.add_argument("--data", type=Path, default=DATA, help="folder for replies.jsonl and features.pt")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the drafter's weights file (default: the user cache, where 'eagle' looks)")
+    parser.add_argument("--profile", default="cpu-demo-disk", help="eval: the profile whose tier and minions "
+                        "the drafter is compared on")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    DATA.mkdir(parents=True, exist_ok=True)
+    args.data.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
     if args.step in ("data", "all"):
-        model, tokenizer = load_target()
+        model, tokenizer = load_target(args.device)
         prompts = training_prompts(args.prompts, seed=args.seed, exclude=bench_messages())
-        print(f"the target answers {len(prompts)} training prompts into {DATA / 'replies.jsonl'}")
-        generate_replies(model, tokenizer, prompts, DATA / "replies.jsonl", batch=64)
+        print(f"the target answers {len(prompts)} training requests x {args.samples} into {args.data}", flush=True)
+        generate_replies(model, tokenizer, prompts, args.data / "replies.jsonl", samples=args.samples,
+                         batch=args.batch)
+        del model
     if args.step in ("train", "all"):
         from drafter.training import train_and_release
-        summary = train_and_release(DATA / "replies.jsonl", DATA / "features.pt", seed=args.seed,
-                                    epochs=args.epochs)
-        print(json.dumps(summary))
+        summary |= train_and_release(args.data / "replies.jsonl", args.data / "features.pt", seed=args.seed,
+                                     epochs=args.epochs, out=args.out, device=args.device,
+                                     batch_tokens=args.batch_tokens)
+    if args.step in ("eval", "all"):
+        from drafter.evaluation import compare
+        from minions_local.models.drafter import trained_path
+        print(f"does it pay? {args.profile}, 3 chat requests x 96 tokens", flush=True)
+        summary["eval"] = compare(args.profile, args.out or trained_path())
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

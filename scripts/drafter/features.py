@@ -17,7 +17,8 @@ import torch
 
 
 @torch.inference_mode()
-def target_features(model, rows: list[dict], out: Path, *, batch_tokens: int = 8192, log=print) -> list[torch.Tensor]:
+def target_features(model, rows: list[dict], out: Path, *, batch_tokens: int = 8192,
+                    log=print) -> list[torch.Tensor]:
     """[len(prompt) + len(reply), hidden] bf16 per row, saved to `out` (and reused)."""
     if out.exists():
         saved = torch.load(out)
@@ -25,20 +26,21 @@ def target_features(model, rows: list[dict], out: Path, *, batch_tokens: int = 8
                                            for f, r in zip(saved, rows)):
             return saved
     features: list[torch.Tensor | None] = [None] * len(rows)
+    device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["reply"]))
     start, done, group = time.perf_counter(), 0, []
 
     def run(group: list[int]) -> None:
         seqs = [rows[i]["prompt"] + rows[i]["reply"] for i in group]
         width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
         for b, s in enumerate(seqs):
             ids[b, :len(s)] = torch.tensor(s)
             mask[b, :len(s)] = 1
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # normed
         for b, i in enumerate(group):
-            features[i] = hidden[b, :len(seqs[b])].to(torch.bfloat16).clone()
+            features[i] = hidden[b, :len(seqs[b])].to("cpu", torch.bfloat16).clone()
 
     for i in order:
         length = len(rows[i]["prompt"]) + len(rows[i]["reply"])

@@ -46,12 +46,13 @@ def load_replies(path: Path) -> list[dict]:
     return rows
 
 
-def batches(rows: list[int], lengths: list[int], rng: random.Random | None) -> list[list[int]]:
-    """Row indices grouped to ~BATCH_TOKENS padded tokens, similar lengths together."""
+def batches(rows: list[int], lengths: list[int], rng: random.Random | None,
+            batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """Row indices grouped to ~batch_tokens padded tokens, similar lengths together."""
     order = sorted(rows, key=lambda i: lengths[i])
     groups, group, width = [], [], 0
     for i in order:
-        if group and max(width, lengths[i]) * (len(group) + 1) > BATCH_TOKENS:
+        if group and max(width, lengths[i]) * (len(group) + 1) > batch_tokens:
             groups.append(group)
             group, width = [], 0
         group.append(i)
@@ -71,8 +72,9 @@ class Drafter(torch.nn.Module):
         hidden = target.config.hidden_size
         self.lm = LlamaForCausalLM(drafter_config(target.config))
         self.lm.model.norm.weight.data.copy_(target.state_dict()["model.norm.weight"].float())
-        self.embed = target.get_input_embeddings().weight.detach().float()
-        self.head = target.get_output_embeddings().weight.detach().float()
+        # The target's, frozen (buffers: they move with the module, the optimizer never sees them).
+        self.register_buffer("embed", target.get_input_embeddings().weight.detach().float(), persistent=False)
+        self.register_buffer("head", target.get_output_embeddings().weight.detach().float(), persistent=False)
         self.lm.model.embed_tokens = None  # inputs come through fc
         self.lm.lm_head = None
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
@@ -87,10 +89,10 @@ class Drafter(torch.nn.Module):
     def shipped(self) -> dict:
         out = {"fc.weight": self.fc.weight, "model.norm.weight": self.lm.model.norm.weight}
         out |= {LAYER_PREFIX + k: v for k, v in self.lm.model.layers[0].state_dict().items()}
-        return {k: v.detach().to(torch.bfloat16) for k, v in out.items()}
+        return {k: v.detach().to("cpu", torch.bfloat16) for k, v in out.items()}
 
 
-def collate(rows: list[dict], features: list[torch.Tensor], group: list[int]):
+def collate(rows: list[dict], features: list[torch.Tensor], group: list[int], device: str = "cpu"):
     """Inputs (tokens x[1:], features f[:-1]), padding mask, and the loss positions:
     (batch row, index i) for every i from the prompt's last token on, whose target is
     f[i + 1]."""
@@ -111,7 +113,7 @@ def collate(rows: list[dict], features: list[torch.Tensor], group: list[int]):
         first = len(rows[i]["prompt"]) - 1
         where_b += [b] * (n - first)
         where_i += list(range(first, n))
-    return ids, inputs, mask, wanted, torch.tensor(where_b), torch.tensor(where_i)
+    return tuple(t.to(device) for t in (ids, inputs, mask, wanted, torch.tensor(where_b), torch.tensor(where_i)))
 
 
 def step_loss(model: Drafter, batch, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +121,7 @@ def step_loss(model: Drafter, batch, noise: float) -> tuple[torch.Tensor, torch.
     if noise:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * noise * rms
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         guess = model(ids, inputs, mask)[wb, wi].float()
         truth = wanted[wb, wi]
         if noise and not CE_WEIGHT:  # training on the features alone: the head's matmuls are most of a step
@@ -134,15 +136,16 @@ def step_loss(model: Drafter, batch, noise: float) -> tuple[torch.Tensor, torch.
     return loss, agree
 
 
-def evaluate(model: Drafter, rows, features, held: list[int], lengths) -> dict:
+def evaluate(model: Drafter, rows, features, held: list[int], lengths, device: str = "cpu",
+             batch_tokens: int = BATCH_TOKENS) -> dict:
     model.eval()
     result = {}
     with torch.no_grad():
         for regime in ("greedy", "sampled"):
             subset = [i for i in held if rows[i]["sampled"] == (regime == "sampled")]
             agree, n = 0.0, 0
-            for group in batches(subset, lengths, None):
-                _, a = step_loss(model, collate(rows, features, group), 0.0)
+            for group in batches(subset, lengths, None, batch_tokens):
+                _, a = step_loss(model, collate(rows, features, group, device), 0.0)
                 agree, n = agree + a.sum().item(), n + a.numel()
             result[f"top1_agreement_{regime}"] = round(agree / max(n, 1), 4)
     model.train()
@@ -150,7 +153,8 @@ def evaluate(model: Drafter, rows, features, held: list[int], lengths) -> dict:
 
 
 def train_and_release(replies: Path, features_path: Path, *, seed: int = 0, epochs: int = EPOCHS,
-                      out: Path | None = None, limit: int | None = None) -> dict:
+                      out: Path | None = None, limit: int | None = None, device: str = "cpu",
+                      batch_tokens: int = BATCH_TOKENS) -> dict:
     from drafter.features import target_features
     from drafter.replies import load_target
     from minions_local.models.checksum import sha256_of
@@ -159,39 +163,40 @@ def train_and_release(replies: Path, features_path: Path, *, seed: int = 0, epoc
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = load_replies(replies)[:limit]
-    target, _ = load_target()
-    features = target_features(target, rows, features_path)
-    model = Drafter(target)
+    target, _ = load_target(device)
+    features = target_features(target, rows, features_path, batch_tokens=2 * batch_tokens)
+    model = Drafter(target).to(device)
+    target_sha = sha256_of(ensure_folder() / "model.safetensors")
     del target
     lengths = [len(r["prompt"]) + len(r["reply"]) for r in rows]
     order = list(range(len(rows)))
     rng.shuffle(order)
     held, train = order[:max(1, len(rows) // 10)], order[max(1, len(rows) // 10):]
-    before = evaluate(model, rows, features, held, lengths)
+    before = evaluate(model, rows, features, held, lengths, device, batch_tokens)
     tokens = sum(len(rows[i]["reply"]) for i in train)
     print(f"{len(train)} training replies ({tokens} tokens), {len(held)} held out; before training: {before}",
           flush=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    steps = epochs * len(batches(train, lengths, None))
+    steps = epochs * len(batches(train, lengths, None, batch_tokens))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 30) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     start = time.perf_counter()
     for epoch in range(epochs):
         total, count = 0.0, 0
-        for group in batches(train, lengths, rng):
-            loss, _ = step_loss(model, collate(rows, features, group), NOISE)
+        for group in batches(train, lengths, rng, batch_tokens):
+            loss, _ = step_loss(model, collate(rows, features, group, device), NOISE)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
             total, count = total + loss.item(), count + 1
-        print(f"epoch {epoch + 1}/{epochs}: loss {total / count:.4f}, "
-              f"{evaluate(model, rows, features, held, lengths)}, {time.perf_counter() - start:.0f} s", flush=True)
-    after = evaluate(model, rows, features, held, lengths)
-    info = {"trained_on": f"{len(train)} target replies, {tokens} tokens", "held_out": after,
-            "before_training": before, "epochs": epochs, "seed": seed,
-            "target_sha256": sha256_of(ensure_folder() / "model.safetensors")}
-    path = write_weights(model.shipped(), info, out or trained_path())
+        after = evaluate(model, rows, features, held, lengths, device, batch_tokens)
+        print(f"epoch {epoch + 1}/{epochs}: loss {total / count:.4f}, {after}, {time.perf_counter() - start:.0f} s",
+              flush=True)
+        # Written every epoch: a run stopped early (a GPU call's time limit) leaves a drafter.
+        info = {"trained_on": f"{len(train)} target replies, {tokens} tokens", "held_out": after,
+                "before_training": before, "epochs": epoch + 1, "seed": seed, "target_sha256": target_sha}
+        path = write_weights(model.shipped(), info, out or trained_path())
     return {"written": str(path), **after, "before": before, "seconds": round(time.perf_counter() - start)}

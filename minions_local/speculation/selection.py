@@ -42,6 +42,10 @@ class MinionStats:
     trust its proposals' self-estimate (an early-exit draft is confidently wrong)."""
     skipped: int = 0
     """Consecutive steps skipped."""
+    deferred_yield: float | None = None
+    """EMA of the accepted draft tokens of steps this minion sat out because the trees
+    already grown looked good enough (`still_needed`): when that falls below what it
+    delivers itself, the looks deceived, and it is no longer deferred."""
     backoff: int = 4
 
 
@@ -107,7 +111,13 @@ class MinionSelector:
         accepted tokens (calibrated, see `expected`) than minion m usually delivers (a
         long n-gram match, say), m's time is better saved this step. Such a step is not
         held against it."""
-        if not self.adaptive or expected_so_far <= self.stats[m].record:
+        s = self.stats[m]
+        if not self.adaptive or expected_so_far <= s.record:
+            return True
+        if s.deferred_yield is not None and s.deferred_yield < s.record:
+            # Measured: a cheap, overconfident minion's big tree (a feature drafter at
+            # ~50% agreement) deferred the substitute, and tokens per pass fell from
+            # 5.0 to 3.0 (cpu-demo-disk, 3 chat requests).
             return True
         self._deferred.add(m)
         return False
@@ -128,6 +138,8 @@ class MinionSelector:
         self.seconds_per_token = _ema(self.seconds_per_token, step_seconds / max(new_tokens, 1), self.decay)
         deferred, self._deferred = self._deferred, set()
         for m, s in enumerate(self.stats):
+            if m in deferred:
+                s.deferred_yield = _ema(s.deferred_yield, len(path) - 1, self.decay)
             if not ran[m]:
                 s.skipped += m not in deferred
                 continue

@@ -103,3 +103,18 @@ def test_a_confidently_wrong_minion_stops_deferring_the_good_one():
         selector.observe(tree, accepted_path(tree, truth), proposals, [0.02, 0.001], 0.1, 7)
     assert selector.stats[1].calibration < 0.05
     assert selector.still_needed(0, selector.expected(1, wrong))
+
+
+def test_deferring_stops_once_the_steps_without_the_minion_accept_less():
+    """Calibration lags: a half-right cheap minion can still look good enough to defer
+    the substitute. What the deferred steps actually accepted decides: below what the
+    substitute delivers, it is deferred no more."""
+    selector = MinionSelector(["substitute", "drafter"])
+    selector.stats[0].cost, selector.stats[1].cost = 0.08, 0.004
+    selector.stats[0].record = 3.0
+    half_right = chain([100, 201, 202, 203, 204, 205], p=0.95)  # the first token right, then wrong
+    assert not selector.still_needed(0, 5.0)  # deferred while nothing says otherwise
+    tree = merge_greedy(1, [None, half_right], [1.0, 1.0])
+    selector.observe(tree, accepted_path(tree, [100, 101, 102]), [None, half_right], [0.0, 0.004], 0.1, 2)
+    assert selector.stats[0].deferred_yield == 1.0 < selector.stats[0].record
+    assert selector.still_needed(0, 5.0)  # the drafter's trees look as good as before: no longer enough

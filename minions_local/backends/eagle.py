@@ -93,6 +93,7 @@ class FeatureMinion(HFMinion):
         self.name = name
         self.vocab_size = runner.vocab_size
         self.target = target
+        target.keep_hidden = True  # from now on, every pass keeps its features
         self._real = 0
         """Cache entries made from the target's real features (the rest: from zeros,
         e.g. the load-time timing on a made-up context); only these are reused."""

@@ -21,10 +21,11 @@ from minions_local.offload.binding import layer_weights
 
 
 class HFTarget(CachedModel):
-    keep_hidden = True
-
     def __init__(self, model, bytes_streamed: Callable[[], int] | None = None) -> None:
         super().__init__(model)
+        # The compact forward keeps its hidden states for free; transformers' would keep
+        # every layer's on every pass, so there only a feature drafter turns it on.
+        self.keep_hidden = isinstance(self, CompactModel)
         self._bytes_streamed = bytes_streamed or (lambda: 0)
         self._prefix_len = 0
         self._features = torch.empty(0)
@@ -46,14 +47,14 @@ class HFTarget(CachedModel):
         todo = self.sync(context[:-1])
         kept = len(self.cached)
         self.extend(todo)
-        self._keep_features(kept, self.last_hidden if todo else None)
+        self._keep_features(kept, self.last_hidden if todo and self.keep_hidden else None)
 
     def verify(self, context: list[int], tree: TokenTree) -> torch.Tensor:
         """Logits [T, V] after each tree node (row 0: after the root)."""
         self.prefill(context)
         self._prefix_len = self.cache_len
         logits = self.forward(tree.tokens, tree.ancestor_matrix(), tree.depths, self._prefix_len)
-        self._tree_features = self.last_hidden
+        self._tree_features = self.last_hidden if self.keep_hidden else None
         return logits
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
@@ -64,10 +65,14 @@ class HFTarget(CachedModel):
         else:
             self.keep_entries(list(range(p)) + [p + i for i in path])
         self.cached.extend(tree.tokens[i] for i in path)
-        self._keep_features(p, self._tree_features[path])
+        self._keep_features(p, None if self._tree_features is None else self._tree_features[path])
 
     def _keep_features(self, keep: int, new: torch.Tensor | None) -> None:
-        """The first `keep` entries' features, then `new` ones."""
+        """The first `keep` entries' features, then `new` ones. Features are held as a
+        prefix without gaps: where some entries before `keep` have none (passes run
+        before a feature drafter turned them on), the new ones have no place."""
+        if len(self._features) < keep:
+            return
         parts = [t for t in (self._features[:keep], new) if t is not None and t.numel()]
         self._features = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else torch.empty(0))
 

@@ -34,7 +34,8 @@ class MinionSpec:
     """'auto' (by path: a .gguf file, 'ngram', 'eagle', or an HF folder), one made from
     the target's weights: 'substitute' (re-quantized to `quantization` by llama.cpp) or
     'self_draft' (its first `layers` layers), or 'eagle' (a feature drafter: `path` is
-    its weights file, or empty for the one shipped for the built-in target)."""
+    its weights file, or empty for the one scripts/train_drafter.py trained for the
+    built-in target)."""
     layers: int | None = None
 
 
@@ -81,8 +82,12 @@ def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, t
     if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
         return spec
     options = spec if isinstance(spec, MinionSpec) else MinionSpec(str(spec))
-    if options.kind == "eagle" or options.path == "eagle" or options.path.startswith("eagle:"):
-        minion = _load_feature_drafter(options, target_path, target, progress)
+    from minions_local.models.drafter import weights_named
+
+    short = weights_named(options.path)
+    if options.kind == "eagle" or short is not None:
+        minion = _load_feature_drafter(options.path if short is None else short, options.name, target_path,
+                                       target, progress)
     else:
         minion = _load_minion(options, index=index, target_path=target_path, target_tokenizer=target_tokenizer,
                               target_vocab=target_vocab, dtype=resolve_dtype(options.dtype) or dtype,
@@ -151,7 +156,8 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     return minion
 
 
-def _load_feature_drafter(spec: MinionSpec, target_path: Path, target: Any, progress: Progress | None) -> Minion:
+def _load_feature_drafter(path: str, name: str | None, target_path: Path, target: Any,
+                          progress: Progress | None) -> Minion:
     """A feature drafter on the loaded target's embeddings, head and features."""
     from minions_local.backends.eagle import FeatureMinion, FeatureRunner
     from minions_local.models import drafter
@@ -160,7 +166,6 @@ def _load_feature_drafter(spec: MinionSpec, target_path: Path, target: Any, prog
     if target is None or not hasattr(target, "features_of"):
         raise ModelLoadError("A feature drafter ('eagle') reads the target's hidden states: load it with the "
                              "engine's own target (Engine.from_pretrained or a profile).")
-    path = spec.path.removeprefix("eagle").removeprefix(":") if spec.kind != "eagle" else spec.path
     if path:
         weights = Path(path).expanduser()
     elif builtin_name(target_path) == SMOLLM2:
@@ -168,7 +173,7 @@ def _load_feature_drafter(spec: MinionSpec, target_path: Path, target: Any, prog
     else:
         raise ModelLoadError(f"An 'eagle' minion for {target_path} needs the path of a weights file trained for "
                              f"it (scripts/train_drafter.py trains one for the built-in SmolLM2).")
-    name = spec.name or "eagle"
+    name = name or "eagle"
     if progress:
         progress(LoadProgress(name, "device", 0, 1, "joining the feature drafter to the target"))
     model, fc = drafter.build_drafter(target.model, weights)

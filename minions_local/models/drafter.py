@@ -28,6 +28,14 @@ RETRAIN = "train one with python scripts/train_drafter.py all (~35 minutes on 2 
 LAYER_PREFIX = "model.layers.0."
 
 
+def weights_named(spec: str) -> str | None:
+    """For a minion spelled 'eagle' or 'eagle:FILE' (the API's and the command line's
+    short form), its weights file ('' for the default); None for any other spec."""
+    if spec == "eagle" or spec.startswith("eagle:"):
+        return spec.removeprefix("eagle").removeprefix(":")
+    return None
+
+
 def trained_path() -> Path:
     """Where scripts/train_drafter.py writes the built-in SmolLM2's drafter."""
     return models_cache() / f"{SMOLLM2}-eagle.safetensors"
@@ -51,9 +59,9 @@ def write_weights(tensors: dict, info: dict, path: Path) -> Path:
     return path
 
 
-def read_weights(path: Path) -> tuple[dict, dict]:
-    """(tensors, training info) of a drafter file, or a ModelLoadError that says how
-    to get a good one."""
+def read_weights(path: Path) -> dict:
+    """The tensors of a drafter file, or a ModelLoadError that says how to get a good
+    one. (Its metadata's "drafter" entry records how it was trained.)"""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -62,12 +70,11 @@ def read_weights(path: Path) -> tuple[dict, dict]:
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-            info = json.loads((f.metadata() or {}).get("drafter", "{}"))
     except Exception as err:  # safetensors raises its own types for a damaged file
         raise ModelLoadError(f"The feature drafter's weights in {path} are damaged ({err}): {RETRAIN}.") from None
     if "fc.weight" not in tensors or not any(k.startswith(LAYER_PREFIX) for k in tensors):
         raise ModelLoadError(f"{path} is not a feature drafter (no fc.weight or layer 0): {RETRAIN}.")
-    return tensors, info
+    return tensors
 
 
 def build_drafter(target_model, path: Path):
@@ -76,7 +83,7 @@ def build_drafter(target_model, path: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    tensors, _ = read_weights(path)
+    tensors = read_weights(path)
     hidden = int(target_model.config.hidden_size)
     if tuple(tensors["fc.weight"].shape) != (hidden, 2 * hidden):
         raise ModelLoadError(f"The feature drafter in {path} was trained for a target of hidden size "

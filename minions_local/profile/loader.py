@@ -143,8 +143,10 @@ def apply_overrides(data: dict[str, Any], *, target, minions, tier) -> dict[str,
 def _minion_override(spec: str, data: dict[str, Any]) -> dict[str, Any]:
     if spec == "ngram":
         return {"kind": "ngram"}
-    if spec == "eagle" or spec.startswith("eagle:"):  # the shipped feature drafter, or a trained file
-        weights = spec.removeprefix("eagle").removeprefix(":")
+    from minions_local.models.drafter import weights_named
+
+    weights = weights_named(spec)
+    if weights is not None:  # the feature drafter trained for the built-in target, or a file
         return {"kind": "eagle", **({"path": _from_command_line(weights)} if weights else {})}
     kind = "gguf" if spec.endswith(".gguf") else "hf"
     spec = _from_command_line(spec)

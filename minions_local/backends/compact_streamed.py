@@ -60,10 +60,11 @@ class StreamedCompactDecoder(CompactDecoder):
         if self.layers[i] is None:
             self.weights[i].exit()
 
-    def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, *,
+                prefill: bool = False) -> torch.Tensor:
         if self.store is not None:
             self.store.begin_pass()
-        return super().forward(tokens, mask, positions)
+        return super().forward(tokens, mask, positions, prefill=prefill)
 
 
 def stacked(parts: list[torch.Tensor]) -> torch.Tensor:

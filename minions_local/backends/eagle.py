@@ -66,10 +66,11 @@ class FeatureRunner(CompactModel):
         self.cache = None
 
     def run(self, tokens: list[int], features: torch.Tensor, anc: np.ndarray, depths: list[int],
-            base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, V], guessed features [T, d]) of a tree-masked pass."""
+            base_pos: int, *, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, V], or the last row's [1, V] for a `prefill` chunk, guessed
+        features [T, d]) of a tree-masked pass."""
         self.decoder.input_features = features
-        logits = self.forward(tokens, anc, depths, base_pos)
+        logits = self.forward(tokens, anc, depths, base_pos, prefill=prefill)
         return logits, self.decoder.last_hidden
 
     def extend_with(self, tokens: list[int], features: torch.Tensor, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ class FeatureRunner(CompactModel):
             part = tokens[start:start + chunk]
             n = len(part)
             logits, hidden = self.run(part, features[start:start + n], np.tril(np.ones((n, n), dtype=bool)),
-                                      list(range(n)), self.cache_len)
+                                      list(range(n)), self.cache_len, prefill=True)
             self.cached.extend(part)
         return logits[-1], hidden[-1]
 

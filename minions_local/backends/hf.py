@@ -7,6 +7,7 @@ positions, and the cache edits speculation needs (crop, keep selected entries).
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -178,8 +179,11 @@ class CachedModel:
         return tokens[lcp:]
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int) -> torch.Tensor:
-        """Run new tokens on top of the cache; returns float32 logits [T, V].
+    def forward(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int, *,
+                prefill: bool = False) -> torch.Tensor:
+        """Run new tokens on top of the cache; returns float32 logits [T, V], or [1, V]
+        for the last token only when the tokens are a `prefill` chunk (see
+        compact.CompactDecoder.forward).
 
         anc: [T, K] visibility of the last K cache entries + new tokens (K >= T; the
         entries before those are visible to all). A chain is lower-triangular [T, T].
@@ -188,17 +192,29 @@ class CachedModel:
         prefix = self.cache_len + len(tokens) - anc.shape[1]
         mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
         pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
-        return self._run(tokens, mask, pos)
+        return self._run(tokens, mask, pos, prefill)
 
-    def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model call itself: logits [T, V] float32, new entries appended to the cache."""
+    def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """The model call itself: logits [T, V] float32 ([1, V]: `prefill`), new
+        entries appended to the cache."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=self.keep_hidden)
+                         use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
         self.cache = out.past_key_values
         if self.keep_hidden:
             self.last_hidden = out.hidden_states[-1][0]  # transformers' last entry is the normed one
-        return out.logits[0].float()
+        return (out.logits[0, -1:] if prefill else out.logits[0]).float()
+
+    def _keep_logits(self, prefill: bool) -> dict:
+        """transformers' causal LMs compute the head on the last row only when asked
+        (`logits_to_keep`); a model class without the argument computes every row."""
+        if not prefill:
+            return {}
+        if self._takes_logits_to_keep is None:
+            self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
+
+    _takes_logits_to_keep: bool | None = None
 
     keep_hidden = False
     """Whether passes keep their final normed hidden states in `last_hidden` (a target
@@ -207,13 +223,13 @@ class CachedModel:
 
     def extend(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
         """Run a chain of tokens (prefill), in chunks to bound memory; returns the last
-        chunk's logits, or None when there was nothing to run."""
+        token's logits [1, V], or None when there was nothing to run."""
         logits, hidden = None, []
         for start in range(0, len(tokens), chunk):
             part = tokens[start:start + chunk]
             n = len(part)
             base = self.cache_len
-            logits = self.forward(part, np.tril(np.ones((n, n), dtype=bool)), list(range(n)), base)
+            logits = self.forward(part, np.tril(np.ones((n, n), dtype=bool)), list(range(n)), base, prefill=True)
             self.cached.extend(part)
             if self.keep_hidden:
                 hidden.append(self.last_hidden)

@@ -49,6 +49,9 @@ class HFTarget(CachedModel):
         self.extend(todo)
         self._keep_features(kept, self.last_hidden if todo and self.keep_hidden else None)
 
+    def forget_beyond(self, context: list[int]) -> None:
+        self.sync(context[:-1])
+
     def verify(self, context: list[int], tree: TokenTree) -> torch.Tensor:
         """Logits [T, V] after each tree node (row 0: after the root)."""
         self.prefill(context)

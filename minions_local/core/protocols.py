@@ -183,6 +183,11 @@ class Target(Protocol):
         """Forget all cached state."""
         ...
 
+    def forget_beyond(self, context: list[int]) -> None:
+        """Keep no cache entry past context[:-1] (a reply ended by a stop token or
+        string: what autoregressive decoding would hold)."""
+        ...
+
     def bytes_streamed(self) -> int:
         """Cumulative weight bytes moved into compute memory so far (0 when resident)."""
         ...

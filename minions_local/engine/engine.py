@@ -295,6 +295,11 @@ class Engine:
                 delta, hit_stop = out.add(new, text.text)
                 if hit_stop:
                     finish = "stop"
+                    # A stop string: the tokens after the one completing it are not kept.
+                    extra = len(new) - self._tokens_to_stop(out.ids[:len(out.ids) - len(new)], new, stops)
+                    if extra:
+                        del context[-extra:], out.ids[-extra:]
+                        new = new[:-extra]
                 result.record.new_tokens = len(new)
                 if self.decoder.keep_trees:
                     result.record.tree = snapshot(result, self.minion_names, self._token_text)
@@ -303,7 +308,12 @@ class Engine:
                 yield StepEvent(result.record)
                 if finish == "stop":
                     break
-            if finish != "stop":
+            if finish == "stop":
+                # A step may have accepted tokens past the stop. Autoregressive decoding
+                # would hold none of them, and the next request prefills them afresh:
+                # the cache must be the same whichever way the reply was decoded.
+                self._guarded(lambda: self.decoder.target.forget_beyond(context))
+            else:
                 text.flush()
                 tail, _ = out.add([], text.text, final=True)
                 if tail:
@@ -322,6 +332,13 @@ class Engine:
         except BaseException:
             self.decoder.reset()
             raise
+
+    def _tokens_to_stop(self, before: list[int], new: list[int], stops: list[str]) -> int:
+        """How many of a step's `new` tokens it took to complete a stop string."""
+        for n in range(1, len(new)):
+            if find_stop(self.tokenizer.decode(before + new[:n]), stops) >= 0:
+                return n
+        return len(new)
 
     def _token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])

@@ -124,3 +124,22 @@ def test_loaded_minions_hold_their_weights_once(monkeypatch):
     assert minion.weight_bytes() == pytest.approx(plain, rel=0.05)
     logits = minion.runner.extend(list(range(3, 20)))
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("runner", [CachedModel, CompactModel])
+def test_prefill_computes_the_head_on_its_last_row_only(runner):
+    """A prefill's logits are only read at its last row: the head runs on that row alone,
+    and it is the row a full pass gives; the cache and features are the same either way."""
+    model = random_model(tiny_config("llama"), 3).eval()
+    full, last = runner(model), runner(model)
+    full.keep_hidden = last.keep_hidden = True
+    prompt = list(range(3, 40))
+    chain = np.tril(np.ones((len(prompt), len(prompt)), dtype=bool))
+    every_row = full.forward(prompt, chain, list(range(len(prompt))), 0)
+    only_last = last.forward(prompt, chain, list(range(len(prompt))), 0, prefill=True)
+    assert every_row.shape[0] == len(prompt) and only_last.shape[0] == 1
+    assert torch.allclose(every_row[-1:], only_last, atol=1e-5)
+    assert torch.allclose(full.last_hidden, last.last_hidden, atol=1e-6)
+    one = ([60], np.ones((1, 1), dtype=bool), [0], len(prompt))
+    assert torch.allclose(full.forward(*one), last.forward(*one), atol=1e-5)
+    assert last.extend([61, 62, 63]).shape == (1, model.config.vocab_size)

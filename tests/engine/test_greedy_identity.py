@@ -77,3 +77,27 @@ def test_bfloat16_greedy_is_identical_to_bfloat16_autoregressive(families, arch)
         # transformers' own bf16 passes round otherwise: the same reply up to a near-tie.
         assert ours.token_ids[:4] == hf_greedy(target, prompt, 4)
     assert max(accepted) >= 3
+
+
+def test_bfloat16_conversation_keeps_the_autoregressive_cache(families):
+    """Prompts are prefilled on the fast attention kernel and replies decoded on the
+    row-invariant one, so after a reply the cache must hold what autoregressive
+    decoding's would, whichever way it was decoded: a reply whose stop token a step
+    accepted mid-tree keeps nothing past it. Turn after turn, replies stay identical."""
+    fam = families["llama"]
+    alone = Engine.from_pretrained(fam["target"], [], dtype="bfloat16")
+    engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype="bfloat16", budget=24,
+                                    max_depth=8)
+    prompt = random_prompts(1, 96, seed=5)[0]
+    alone.eos_ids = set()
+    first = alone.generate(prompt, max_new_tokens=40).token_ids
+    alone.eos_ids = engine.eos_ids = {first[20]}  # a token the reply reaches well into it
+    cut_mid_step = 0
+    for turn in range(4):
+        ours, theirs = engine.generate(prompt, max_new_tokens=40), alone.generate(prompt, max_new_tokens=40)
+        assert ours.token_ids == theirs.token_ids
+        assert engine.decoder.target.cached == alone.decoder.target.cached == (prompt + ours.token_ids)[:-1]
+        last = ours.steps[-1]
+        cut_mid_step += ours.finish_reason == "stop" and last.accepted + 1 > last.new_tokens
+        prompt = prompt + ours.token_ids + [7 + turn, 30, 41]
+    assert cut_mid_step, "no step accepted tokens past the stop: the case this test is for never ran"

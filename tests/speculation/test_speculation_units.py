@@ -245,6 +245,9 @@ class ChainTarget:
     def reset(self):
         pass
 
+    def forget_beyond(self, context):
+        pass
+
     def bytes_streamed(self):
         return 0
 

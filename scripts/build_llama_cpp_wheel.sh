@@ -88,5 +88,19 @@ else
 fi
 
 # Dependencies (numpy, diskcache, jinja2, typing-extensions) come from the index as usual.
+# pip keeps an installed llama-cpp-python of the same version whatever its build flags,
+# so a stamp next to the package says which build it is, and another one is replaced.
+stamp() {
+    "$PYTHON" - <<'PY' 2>/dev/null
+import importlib.util, os
+spec = importlib.util.find_spec("llama_cpp")
+print(os.path.join(os.path.dirname(spec.origin), ".minions-build") if spec and spec.origin else "")
+PY
+}
+installed="$(stamp || true)"
+if [ -n "$installed" ] && [ "$(cat "$installed" 2>/dev/null)" != "$FLAGS_TAG" ]; then
+    "$PYTHON" -m pip install --force-reinstall --no-deps "${wheels[0]}"
+fi
 "$PYTHON" -m pip install "${wheels[0]}"
+echo "$FLAGS_TAG" > "$(stamp)"
 "$PYTHON" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'

@@ -101,3 +101,32 @@ def test_bfloat16_conversation_keeps_the_autoregressive_cache(families):
         cut_mid_step += ours.finish_reason == "stop" and last.accepted + 1 > last.new_tokens
         prompt = prompt + ours.token_ids + [7 + turn, 30, 41]
     assert cut_mid_step, "no step accepted tokens past the stop: the case this test is for never ran"
+
+
+def test_a_long_prompt_gets_its_first_token_from_the_target_alone(families, monkeypatch):
+    """With no core to spare, the minions read a long prompt only after the target gave
+    the first token (one step without a tree); replies stay the target's own, and a
+    short follow-up is read with its prompt as before."""
+    from minions_local.speculation import decode
+
+    monkeypatch.setattr(decode, "_spare_core", lambda target: False)
+    monkeypatch.setattr(decode.Decoder, "MINIONS_READ_LATER", 40)
+    fam = families["llama"]
+    target = AutoModelForCausalLM.from_pretrained(fam["target"]).eval()
+    engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], budget=16, max_depth=6)
+    read = []
+    close = engine.decoder.minions[0]
+    original = close.prefill
+    monkeypatch.setattr(close, "prefill", lambda context: read.append(len(context)) or original(context))
+    prompt = random_prompts(4, 96, seed=3)
+    prompt = [t for p in prompt for t in p] * 3
+    assert len(prompt) >= 40
+    first = engine.generate(prompt, max_new_tokens=20)
+    assert first.token_ids == hf_greedy(target, prompt, 20)
+    assert first.steps[0].tree_size == 0 and first.steps[0].new_tokens == 1
+    assert max(s.tree_size for s in first.steps[1:]) > 0
+    assert read == [len(prompt) + 1]  # read once, before the second step
+    follow_up = prompt + first.token_ids + [5, 6, 7]
+    second = engine.generate(follow_up, max_new_tokens=12)
+    assert second.token_ids == hf_greedy(target, follow_up, 12)
+    assert second.steps[0].tree_size > 0 and read[-1] == len(follow_up)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from minions_local.backends.llama_build import build_problem
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
 from minions_local.backends.frontier import Frontier
@@ -56,6 +57,9 @@ def import_llama_cpp() -> Any:
     """llama_cpp, initialised once with its chatty logging reduced to errors."""
     global _llama, _log_callback
     if _llama is None:
+        problem = build_problem()
+        if problem:
+            raise ModelLoadError(problem + ".")
         try:
             import llama_cpp
         except ImportError as err:

@@ -419,3 +419,21 @@ def test_a_tree_grown_ahead_carries_into_the_next_step_with_its_cache(checkpoint
         want = GGUFMinion(out, kv_type="f32", n_ctx=512).grow(ctx, budget)
         assert got.tokens == want.tokens and got.parents == want.parents
         assert np.allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
+def test_a_llama_cpp_build_for_another_cpu_is_refused_with_a_way_out(monkeypatch, tmp_path):
+    """A wheel built with AVX-512 would die of an illegal instruction on a CPU without it:
+    its stamp is checked against the CPU's flags first."""
+    from minions_local.backends import gguf, llama_build
+
+    stamp = "x86-avx512-avx512vbmi-avx512_vnni-avx512_bf16-avx_vnni-nocommon"
+    full = {"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vbmi", "avx512_vnni",
+            "avx512_bf16", "avx_vnni"}
+    assert llama_build.missing_extensions(stamp, full) == []
+    assert llama_build.missing_extensions(stamp, full - {"avx512bw", "avx_vnni"}) == ["avx512", "avx_vnni"]
+    assert llama_build.missing_extensions("portable-nocommon", {"avx2"}) == []
+    assert llama_build.missing_extensions("x86-avx512-nocommon-1a2b3c4d", {"avx2"}) == ["avx512"]
+    monkeypatch.setattr(gguf, "_llama", None)
+    monkeypatch.setattr(gguf, "build_problem", lambda: "built for a CPU with avx512, which this CPU lacks")
+    with pytest.raises(ModelLoadError, match="avx512.*lacks"):
+        gguf.import_llama_cpp()

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=None, help="new tokens per generation")
     p.add_argument("--modes", default="greedy,sampled")
     p.add_argument("--threads", default=None, help="thread counts to try, e.g. '1,2' (default) or '2'")
-    p.add_argument("--dtypes", default=None, help="compute dtypes to try, e.g. 'bf16,fp32' (default)")
+    p.add_argument("--dtypes", default=None, help="dtypes to try, e.g. 'bf16,fp32' (default; plus 'bf16:bf16', bf16 math, on a CPU "
+                   "without bf16 matmul kernels, where our engine computes streamed bf16 weights in float32)")
     p.add_argument("--fixed", default=None, help="our fixed tree sizes, e.g. '16,64,256'")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-transformers", action="store_true")

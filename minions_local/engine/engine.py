@@ -66,6 +66,7 @@ class Engine:
         *,
         device: str = "cpu",
         dtype: torch.dtype | str | None = None,
+        compute_dtype: torch.dtype | str | None = "auto",
         target_tier: str = "device",
         budget: int | str | BudgetPolicy = "adaptive",
         max_depth: int = 8,
@@ -91,6 +92,10 @@ class Engine:
         grow_ahead: let minions that can keep growing while the target verifies, giving
             the next step a head start (speculation/ahead.py); "auto": where the target's
             pass leaves them compute of their own.
+        compute_dtype: what the target computes in: "auto" (`dtype`, except a streamed
+            target's bf16 weights in float32 on a CPU without bf16 matmul kernels, where
+            a bf16 tree pass costs about as many 1-token passes as it has rows; the
+            layers still move as bf16), None (= dtype) or a dtype.
         threads: torch CPU threads (None keeps torch's default).
         stream_options: passed to the layer streamer when the target is streamed
             (quant, buffers, cache_dir, layer_tiers).
@@ -99,7 +104,8 @@ class Engine:
             torch.set_num_threads(threads)
         torch_dtype = resolve_dtype(dtype)
         target_model, tokenizer = load_target(target, dtype=torch_dtype, device=device, tier=target_tier,
-                                              progress=progress, stream_options=stream_options or {})
+                                              progress=progress, stream_options=stream_options or {},
+                                              compute_dtype=compute_dtype)
         loaded = [
             load_minion(spec, index=i, target_path=Path(target), target_tokenizer=tokenizer,
                         target_vocab=target_model.vocab_size, dtype=torch_dtype, device=device, progress=progress,

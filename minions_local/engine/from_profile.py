@@ -36,6 +36,7 @@ def engine_kwargs_from_profile(
         "minions": [minion_spec(m, profile.hardware.device) for m in profile.minions],
         "device": profile.hardware.device,
         "dtype": profile.target.dtype,
+        "compute_dtype": profile.target.compute_dtype,
         "target_tier": engine_tier(plan),
         "budget": budget_policy(profile, plan),
         "max_depth": profile.speculation.max_depth,

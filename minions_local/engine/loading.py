@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from minions_local.core.protocols import Minion
+from minions_local.offload.dtypes import fast_compute_dtype
 from minions_local.backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
@@ -43,9 +44,28 @@ def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def resolve_compute_dtype(dtype: torch.dtype | None, compute: torch.dtype | str | None, device: str,
+                          streamed: bool) -> torch.dtype | None:
+    """What the target computes in, for weights in `dtype` (see Engine.from_pretrained).
+
+    "auto" widens only a streamed target: there tree passes are what pays, and its
+    layers still move as bf16. A resident one would hold twice the bytes for a wash
+    (SmolLM2 in RAM on a 2-core AVX2 CPU: a 1-token pass 49 -> 65 ms, 16 nodes 327 -> 160)."""
+    if compute is None or dtype is None:
+        return dtype
+    if compute == "auto":
+        return fast_compute_dtype(dtype, device) if streamed else dtype
+    return resolve_dtype(compute)
+
+
 def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tier: str,
-                progress: Progress | None, stream_options: dict[str, Any]) -> tuple[HFTarget, Any]:
-    """The target wrapped for tree verification, resident or streamed; and its tokenizer."""
+                progress: Progress | None, stream_options: dict[str, Any],
+                compute_dtype: torch.dtype | str | None = None) -> tuple[HFTarget, Any]:
+    """The target wrapped for tree verification, resident or streamed; and its tokenizer.
+
+    dtype: the weights' dtype (what streamed layers are stored and moved in);
+    compute_dtype: what they are computed in (resolve_compute_dtype): bf16 weights
+    streamed as bf16 and computed in float32, on a CPU without bf16 matmul kernels."""
     if tier not in TIERS:
         raise ValueError(f"target_tier must be one of {TIERS}, got {tier!r}")
     path = check_model_folder(prepare_builtin(path, progress), "target")
@@ -53,6 +73,12 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
     total = _folder_bytes(path)
     # On a CPU the compute device IS host RAM: the 'ram' tier is the resident model.
     streamed = tier == "disk" or (tier == "ram" and device != "cpu")
+    compute_dtype = resolve_compute_dtype(dtype, compute_dtype, device, streamed)
+    if compute_dtype is not None and compute_dtype != dtype:
+        if streamed and dtype == torch.bfloat16 and compute_dtype == torch.float32 \
+                and stream_options.get("quant", "none") == "none":
+            stream_options = {**stream_options, "quant": "bf16"}  # bf16 bytes per pass, float32 math
+        dtype = compute_dtype
     if progress:
         progress(LoadProgress("target", tier, 0, total, "loading"))
     if streamed:

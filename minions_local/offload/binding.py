@@ -85,7 +85,7 @@ def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torc
         if "" in roles:
             out.append(_Binding(params[name], roles[""].view(buffer)))
         else:
-            q, scale = roles["q"].view(buffer), roles["scale"].view(buffer)
+            q, scale = roles["q"].view(buffer), roles["scale"].view(buffer) if "scale" in roles else None
             out.append(_Binding(params[name], scratch_views[name], q, scale))
     return out
 

@@ -35,7 +35,8 @@ class Piece:
     param: str
     """Parameter name relative to the decoder layer, e.g. 'mlp.down_proj.weight'."""
     role: str
-    """'' for a plain tensor; 'q' (integers) or 'scale' for a quantized weight."""
+    """'' for a plain tensor; 'q' (integers, or bf16 below a float32 compute dtype) or
+    'scale' for a quantized weight."""
     offset: int
     shape: tuple[int, ...]
     dtype: str
@@ -118,6 +119,8 @@ def _stored_shapes(
     out_f, in_f = shape
     if quant == "int8":
         return [("q", (out_f, in_f), "int8"), ("scale", (out_f,), dtype_name(dtype))]
+    if quant == "bf16":
+        return [("q", (out_f, in_f), "bfloat16")]
     group = int4_group_size(in_f)
     return [("q", (out_f, in_f // 2), "uint8"), ("scale", (out_f, in_f // group), dtype_name(dtype))]
 

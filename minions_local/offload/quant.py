@@ -7,6 +7,9 @@ linear projections) are quantized; norms and biases stay in the compute dtype.
 - ``int8``: symmetric, one scale per output channel (row), q in [-127, 127].
 - ``int4``: symmetric, one scale per group of ``group_size`` input columns,
   q in [-8, 7], two values per byte (even column in the low nibble).
+- ``bf16``: the weight in bfloat16, no scale, for a float32 compute dtype: the bytes
+  of published bf16 weights, computed in float32 where the CPU has no bf16 matmul
+  kernels (offload/dtypes.py, `fast_dtype`); widening is exact.
 
 Scales are stored in the compute dtype and the integers are computed from the
 *stored* scale, so `dequantize` is the only definition of the weights the model
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "bf16")
 INT4_GROUP = 64
 
 
@@ -37,6 +40,8 @@ def int4_group_size(in_features: int, preferred: int = INT4_GROUP) -> int:
 
 def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Quantize a [out, in] weight; returns the pieces to store ('q', 'scale')."""
+    if mode == "bf16":
+        return {"q": w.detach().to(torch.bfloat16).contiguous()}
     w32 = w.detach().to(torch.float32)
     tiny = torch.finfo(dtype).tiny
     if mode == "int8":
@@ -57,7 +62,7 @@ def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str,
     raise ValueError(f"unknown quantization {mode!r}; use one of {QUANT_MODES}")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None, mode: str, out: torch.Tensor) -> torch.Tensor:
     """Write the weight that `quantize_weight` stands for into `out` ([out, in], compute dtype).
 
     Every step is exact except the one rounding of the final multiply (the integer times
@@ -66,6 +71,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, mode: str, out: torch.Tenso
     elementwise kernels, so there the work goes through a float32 temporary; elsewhere
     it is done in place in `out`.
     """
+    if mode == "bf16":
+        return out.copy_(q)
     if out.dtype != torch.float32 and out.device.type == "cpu":
         tmp = torch.empty(out.shape, dtype=torch.float32)
         _dequantize_into(q, scale.to(torch.float32), mode, tmp)
@@ -95,7 +102,7 @@ def dequantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.T
         return w.to(dtype)
     pieces = quantize_weight(w, mode, dtype)
     out = torch.empty(w.shape, dtype=dtype)
-    return dequantize(pieces["q"], pieces["scale"], mode, out)
+    return dequantize(pieces["q"], pieces.get("scale"), mode, out)
 
 
 def stored_pieces(name: str, tensor: torch.Tensor, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

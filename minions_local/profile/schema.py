@@ -125,7 +125,12 @@ class Target(_Section):
         "a path relative to the profile file. load_profile() resolves it to an absolute path."
     )
     format: Literal["hf", "gguf"] = Field("hf", description="HF folder (safetensors) or GGUF file.")
-    dtype: DType = Field("bfloat16", description="Compute dtype of the target.")
+    dtype: DType = Field("bfloat16", description="Dtype of the target's weights: what its layers are "
+                         "stored and streamed in, and computed in unless compute_dtype says otherwise.")
+    compute_dtype: DType | Literal["auto"] = Field(
+        "auto", description="What the target computes in. 'auto': dtype, except a streamed bfloat16 "
+        "target on a CPU without bf16 matmul kernels (AVX2 only), which computes in float32 (its layers "
+        "still stream as bf16): there a bf16 pass costs about as many 1-token passes as it has rows.")
     tier: Tier = Field(
         "ram",
         description="Lowest tier the target's layers may live on: 'device' = fully resident, "

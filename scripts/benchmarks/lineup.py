@@ -28,7 +28,7 @@ from benchmarks.methods import EngineMethod, HFMethod, LlamaCppMethod, Method, e
 from minions_local import Engine
 from minions_local.engine.from_profile import engine_kwargs_from_profile
 from minions_local.engine.loading import prepare_builtin
-from minions_local.offload.dtypes import compute_dtype
+from minions_local.offload.dtypes import compute_dtype, dtype_name
 from minions_local.profile import load_profile
 from minions_local.speculation.budget import FixedBudget
 
@@ -111,8 +111,9 @@ class Lineup:
         return [method.variant(threads=n) for n in self.threads]
 
     def _engine_kwargs(self, dtype: str) -> dict[str, Any]:
-        kwargs = engine_kwargs_from_profile(self.profile, tier=self.tier, dtype=compute_dtype(dtype),
-                                            **self.overrides)
+        weights, compute = weights_and_math(dtype)
+        kwargs = engine_kwargs_from_profile(self.profile, tier=self.tier, dtype=compute_dtype(weights),
+                                            compute_dtype=compute, **self.overrides)
         if self.private_packs and kwargs.get("stream_options"):
             kwargs["stream_options"]["cache_dir"] = str(self.workdir / "packs")
         return kwargs
@@ -123,9 +124,12 @@ class Lineup:
         base = Engine.from_pretrained(**kwargs)
         weights = param_bytes(base.decoder.target.model)
         policy = type(base.decoder.policy).__name__
+        math = dtype_name(base.decoder.target.model.dtype)
+        label = dtype if compute_dtype(weights_and_math(dtype)[0]) == base.decoder.target.model.dtype \
+            else f"{weights_and_math(dtype)[0]} weights, {math} math"
 
         def method(name: str, family: str, engine: Engine, detail: str) -> list[Method]:
-            return self._threads(EngineMethod(name, family, engine, 1, f"{dtype}, {detail}", dtype=dtype,
+            return self._threads(EngineMethod(name, family, engine, 1, f"{label}, {detail}", dtype=dtype,
                                               weight_bytes=weights))
 
         minions = base.minions
@@ -169,7 +173,7 @@ class Lineup:
         # On a GPU the RAM tier's peer is accelerate's CPU offload: layers in host RAM,
         # each copied to the GPU as it runs.
         layers_on = "disk" if self.tier == "disk" else "cpu" if device == "cuda" else None
-        for name in self.dtypes:
+        for name in dict.fromkeys(weights_and_math(d)[0] for d in self.dtypes):  # transformers: its own math
             dtype = compute_dtype(name)
             offload = offload_root / f"{self.target.name}-{name}" if self.tier == "disk" else None
             model = load_hf(checkpoint, dtype, offload_folder=offload, device=device, layers_on=layers_on)
@@ -235,3 +239,10 @@ class Lineup:
                 lookup.append(LlamaCppMethod("llama.cpp prompt-lookup", server, n, prompt_lookup=True, dtype=kind,
                                              detail=f"{kind} ({source}), 2-gram, 10 tokens"))
         return [plain, lookup]
+
+
+def weights_and_math(candidate: str) -> tuple[str, str]:
+    """A dtype candidate as (weights, math): 'bf16' is bf16 weights computed as the engine
+    decides ('auto'); 'bf16:bf16' forces bf16 math, 'bf16:fp32' float32 math."""
+    weights, _, math = candidate.partition(":")
+    return weights, math or "auto"

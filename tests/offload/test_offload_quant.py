@@ -44,9 +44,20 @@ def test_quantized_layout_is_smaller():
     full = plan_layout(shapes, "none", torch.bfloat16).nbytes
     assert plan_layout(shapes, "int8", torch.bfloat16).nbytes / full == pytest.approx(0.5, abs=0.01)
     assert plan_layout(shapes, "int4", torch.bfloat16).nbytes / full == pytest.approx(0.265, abs=0.01)
+    # bf16 weights under float32 math move the bytes of a bf16 model, not of a float32 one.
+    assert plan_layout(shapes, "bf16", torch.float32).nbytes == pytest.approx(full, rel=0.001)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_bf16_storage_widens_exactly_to_float32():
+    w = torch.randn(96, 256)
+    stored = quantize_weight(w, "bf16", torch.float32)
+    assert set(stored) == {"q"} and stored["q"].dtype == torch.bfloat16
+    out = dequantize(stored["q"], None, "bf16", torch.empty(96, 256))
+    assert torch.equal(out, w.to(torch.bfloat16).float())
+    assert torch.equal(dequantize_weight(w, "bf16", torch.float32), out)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "bf16"])
 def test_quantized_streaming_matches_dequantized_reference(qwen, tmp_path, quant):
     ref = tree_pass_logits(apply_dequantized_weights_(resident(qwen), quant))
     plain = tree_pass_logits(resident(qwen))
@@ -58,7 +69,7 @@ def test_quantized_streaming_matches_dequantized_reference(qwen, tmp_path, quant
         assert max_diff(got, ref) <= 1e-5
         assert max_diff(got, plain) > 1e-4  # really quantized
     fp32_three_layers = full * 3 / 4  # the mixed plan streams 3 of the 4 layers
-    assert stats.bytes_per_pass / fp32_three_layers < {"int8": 0.3, "int4": 0.16}[quant]
+    assert stats.bytes_per_pass / fp32_three_layers < {"int8": 0.3, "int4": 0.16, "bf16": 0.55}[quant]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

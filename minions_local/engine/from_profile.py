@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from minions_local.core.tiers import streams
 from minions_local.offload.plan import MemoryPlan, plan_memory
 from minions_local.profile import Profile, load_profile
 
@@ -31,6 +32,9 @@ def engine_kwargs_from_profile(
     """
     profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
     plan = plan_memory(profile)
+    math = target_math(profile, plan, options.get("dtype"), options.get("compute_dtype"))
+    if math != profile.target.dtype:  # its KV cache, embeddings and head are held wider
+        plan = plan_memory(profile, math_dtype=math)
     kwargs = {
         "target": profile.target.path,
         "minions": [minion_spec(m, profile.hardware.device) for m in profile.minions],
@@ -59,6 +63,18 @@ def minion_spec(minion, device: str) -> Any:
     kind = minion.kind if minion.kind in ("substitute", "self_draft", "eagle") else "auto"
     return MinionSpec(path=str(minion.path or ""), name=minion.name, quantization=minion.quantization,
                       device=minion.device or device, dtype=minion.dtype, kind=kind, layers=minion.layers)
+
+
+def target_math(profile: Profile, plan: MemoryPlan, dtype: Any = None, compute: Any = None) -> str:
+    """The dtype name the target will compute in (engine/loading.resolve_compute_dtype)."""
+    from minions_local.engine.loading import resolve_compute_dtype
+    from minions_local.offload.dtypes import compute_dtype, dtype_name
+
+    weights = compute_dtype(dtype or profile.target.dtype)
+    device = profile.hardware.device
+    math = resolve_compute_dtype(weights, compute or profile.target.compute_dtype, device,
+                                 streams(engine_tier(plan), device))
+    return dtype_name(math)
 
 
 def engine_tier(plan: MemoryPlan) -> str:

@@ -15,7 +15,7 @@ from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from minions_local.core.events import LoadProgress
-from minions_local.core.tiers import TIERS
+from minions_local.core.tiers import TIERS, streams
 from minions_local.engine.text import load_tokenizer
 
 Progress = Callable[[LoadProgress], None]
@@ -71,8 +71,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
     path = check_model_folder(prepare_builtin(path, progress), "target")
     load_config(path, "target")
     total = _folder_bytes(path)
-    # On a CPU the compute device IS host RAM: the 'ram' tier is the resident model.
-    streamed = tier == "disk" or (tier == "ram" and device != "cpu")
+    streamed = streams(tier, device)
     compute_dtype = resolve_compute_dtype(dtype, compute_dtype, device, streamed)
     if compute_dtype is not None and compute_dtype != dtype:
         if streamed and dtype == torch.bfloat16 and compute_dtype == torch.float32 \

@@ -142,10 +142,14 @@ def plan_memory(
     *,
     target_dims: ModelDims | None = None,
     minion_dims: dict[str, ModelDims] | None = None,
+    math_dtype: str | None = None,
 ) -> MemoryPlan:
     """Place the target's layers, minions, KV caches and buffers within the budgets.
 
     Dimensions default to each model's config.json, else the profile's known dims.
+    math_dtype: what the target computes in when that is not its weights' dtype (bf16
+    weights streamed into float32 math): its KV cache, embeddings and head are held in
+    it; its layers are stored in the weights' dtype all the same.
     Raises MemoryPlanError (with the numbers and what to change) when they cannot fit.
     """
     hw, tgt = profile.hardware, profile.target
@@ -169,13 +173,14 @@ def plan_memory(
             bucket.append(Placement(f"minion '{m.name}'", tier, size))
         if kv:
             bucket.append(Placement(f"KV cache '{m.name}'", tier, kv))
-    device_fixed.append(Placement("KV cache target", "device", kv_tokens * dims.kv_bytes_per_token(tgt.dtype)))
+    math = math_dtype or tgt.dtype
+    device_fixed.append(Placement("KV cache target", "device", kv_tokens * dims.kv_bytes_per_token(math)))
     embeddings_tier = "device"
     if dims.tied_embeddings:
-        device_fixed.append(Placement("embeddings + head (tied)", "device", dims.head_bytes(tgt.dtype)))
+        device_fixed.append(Placement("embeddings + head (tied)", "device", dims.head_bytes(math)))
     else:
-        device_fixed.append(Placement("embeddings", "device", dims.embedding_bytes(tgt.dtype)))
-        device_fixed.append(Placement("head", "device", dims.head_bytes(tgt.dtype)))
+        device_fixed.append(Placement("embeddings", "device", dims.embedding_bytes(math)))
+        device_fixed.append(Placement("head", "device", dims.head_bytes(math)))
 
     budgets = {
         "device": int(hw.device_memory_gb * GB),

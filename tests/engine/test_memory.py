@@ -40,3 +40,23 @@ def test_model_minions_count_on_the_device(families, reference):
     minion = AutoModelForCausalLM.from_pretrained(fam["close"])
     engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype="float32")
     assert engine.memory_by_tier() == {"device": _bytes(reference) + _bytes(minion)}
+
+
+@pytest.mark.parametrize("profile, widens", [("cpu-demo-disk", True), ("cpu-demo", False)])
+def test_the_plan_holds_kv_cache_and_head_in_the_math_dtype(monkeypatch, profile, widens):
+    """A streamed bf16 target computing in float32 (no bf16 matmul kernels) holds its KV
+    cache and its embeddings + head in float32: the plan counts them so, and its layers
+    at bf16 all the same. A resident target is not widened."""
+    from minions_local.engine.from_profile import engine_kwargs_from_profile
+    from minions_local.offload import dtypes
+
+    def planned(native: bool) -> dict[str, int]:
+        monkeypatch.setattr(dtypes, "cpu_has_bf16_matmul", lambda: native)
+        plan = engine_kwargs_from_profile(profile)["memory_plan"]
+        return {p.what: p.bytes for p in plan.placements}
+
+    native, widened = planned(True), planned(False)
+    factor = 2 if widens else 1
+    assert widened["KV cache target"] == factor * native["KV cache target"]
+    assert widened["embeddings + head (tied)"] == factor * native["embeddings + head (tied)"]
+    assert {k: v for k, v in widened.items() if "layer" in k} == {k: v for k, v in native.items() if "layer" in k}

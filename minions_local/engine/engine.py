@@ -114,7 +114,8 @@ class Engine:
         ]
         unique_names(loaded)
         policy = make_policy(budget, max_depth)
-        calibrate_policy(policy, loaded, target_model.vocab_size, progress)  # the minions' real price per pass
+        # The minions' and the target's real price per pass.
+        calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model)
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 

@@ -66,6 +66,8 @@ class MemoryPlan:
     minion_dims: dict[str, ModelDims] = field(default_factory=dict)
     embeddings_tier: str = "device"
     name: str = ""
+    math_dtype: str = ""
+    """What the target computes in, where that is not its weights' dtype ('' = the same)."""
 
     @property
     def resident_layers(self) -> int:
@@ -226,6 +228,7 @@ def plan_memory(
         minion_dims=minion_dims,
         embeddings_tier=embeddings_tier,
         name=profile.name,
+        math_dtype=math_dtype or "",
     )
     _check_host(profile, plan)
     return plan

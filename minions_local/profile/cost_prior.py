@@ -43,10 +43,11 @@ def verify_prior(profile: Profile, plan: MemoryPlan, context: int) -> tuple[Veri
         stream = max(pcie_s, disk_s)
     else:
         stream = ram_s + disk_s  # reader threads and compute share the same memory bus
-    weights = plan.target_layer_bytes + dims.head_bytes(tgt.dtype)
+    math = plan.math_dtype or tgt.dtype  # bf16 weights widened to float32 math compute at its speed
+    weights = plan.target_layer_bytes + dims.head_bytes(math)
     floor = weights / (hw.device_memory_gbps * GB)
     overhead = dims.layers * hw.layer_overhead_ms / 1e3
-    slope = dims.flops_per_token(context) / (hw.tflops(tgt.dtype) * 1e12)
+    slope = dims.flops_per_token(context) / (hw.tflops(math) * 1e12)
     measured = _measured_layer_slope(profile, dims)
     if measured is not None:
         floor_m, slope = measured

@@ -1,4 +1,4 @@
-"""Each minion's real price per grow pass, timed once at load.
+"""Each minion's real price per grow pass, and the target's per verify pass, timed once at load.
 
 Why: the profile's prior for a minion's pass is physics (bytes over bandwidth, flops
 over the device's best throughput), and for a llama.cpp minion on a CPU it is ~10x
@@ -8,15 +8,25 @@ said ~20. The online refit corrects that only after the policy has paid for such
 trees (and only for the widths it happened to try). A few grows on a made-up context
 before the first request cost ~0.1-0.5 s of loading and give the refit real samples
 at a narrow and a wide pass from the start.
+
+The target's pass is timed too, at two tree sizes: its prior is physics as well, and
+where compute is dearer than the profile says (SmolLM2 streamed on a 2-core AVX2 CPU:
+8-10 ms a tree node where the profile's throughput gives 1), the steps' own samples,
+all at the one tree size the policy picked, could not tell a flat pass from a sloped
+one: the refit raised the flat part, predicted a 42-node tree at 278 ms, and paid
+330-400 ms for each until its next refit.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from minions_local.core.events import LoadProgress
-from minions_local.core.protocols import GrowBudget, Minion
+from minions_local.core.protocols import GrowBudget, Minion, Target
+from minions_local.core.tree import TokenTree
 from minions_local.speculation.budget import grow_shape
 
 SHAPES = ((2, 2), (16, 2), (32, 2))
@@ -32,22 +42,64 @@ def time_grow_passes(minion: Minion, vocab: int, shapes: Sequence[tuple[int, int
     minion.prefill(context)
     minion.grow(context, GrowBudget(max_nodes=shapes[0][0], max_depth=shapes[0][1], top_k=top_k))  # warm-up
     samples = []
-    for nodes, depth in shapes:
-        context = context + [(context[-1] * 5 + 11) % max(vocab, 2), (context[-1] * 3 + 1) % max(vocab, 2)]
-        passes, width = grow_shape(nodes, depth)
-        start = time.perf_counter()
-        minion.grow(context, GrowBudget(max_nodes=nodes, max_depth=depth, width=width, top_k=top_k))
-        samples.append((width, (time.perf_counter() - start) / passes))
+    with _no_gc_pause():
+        for nodes, depth in shapes:
+            context = context + [(context[-1] * 5 + 11) % max(vocab, 2), (context[-1] * 3 + 1) % max(vocab, 2)]
+            passes, width = grow_shape(nodes, depth)
+            start = time.perf_counter()
+            minion.grow(context, GrowBudget(max_nodes=nodes, max_depth=depth, width=width, top_k=top_k))
+            samples.append((width, (time.perf_counter() - start) / passes))
     minion.reset()  # the made-up context is nobody's conversation
     return samples
 
 
+VERIFY_SIZES = (0, 24)
+"""Draft nodes of the target's timed passes: a 1-token pass and a tree a CPU still
+verifies in a few 1-token passes' time (on a GPU, both cost the same: the reads)."""
+
+
+def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES) -> list[tuple[int, float]]:
+    """(draft nodes, seconds) of the target verifying a chain of each size below a
+    made-up 64-token context, after one untimed pass (a streamed target's first read of
+    each layer checks its CRC). Leaves the target reset."""
+    context = [(11 * i + 5) % max(vocab, 2) for i in range(1, 65)]
+    target.prefill(context)
+    samples = []
+    with _no_gc_pause():
+        for nodes in (sizes[0], *sizes):
+            tree = TokenTree.from_root(context[-1])
+            parent = 0
+            for i in range(nodes):
+                parent = tree.add(parent, (context[i] * 7 + 2) % max(vocab, 2))
+            start = time.perf_counter()
+            target.verify(context, tree)
+            samples.append((nodes, time.perf_counter() - start))
+    target.reset()  # the made-up context is nobody's conversation
+    return samples[1:]
+
+
+@contextmanager
+def _no_gc_pause() -> Iterator[None]:
+    """One sample per shape: a garbage collection landing in one (~50 ms after torch's
+    import, measured) would price a pass at ten times its cost."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def calibrate_policy(policy, minions: Sequence[Minion], vocab: int,
-                     progress: Callable[[LoadProgress], None] | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Time the minions whose passes cost something and fold the samples into a
-    cost-model policy's prior (any other policy is left alone). Returns the samples."""
+                     progress: Callable[[LoadProgress], None] | None = None,
+                     target: Target | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Time the minions whose passes cost something, and the target's pass when given
+    (under the key "target"), and fold the samples into a cost-model policy's prior
+    (any other policy, or no minions, is left alone). Returns the samples."""
     calibrate = getattr(policy, "calibrate", None)
-    if calibrate is None:
+    if calibrate is None or not minions:
         return {}
     samples = {}
     for minion in minions:
@@ -58,6 +110,14 @@ def calibrate_policy(policy, minions: Sequence[Minion], vocab: int,
         samples[minion.name] = time_grow_passes(minion, vocab)
         if progress:
             progress(LoadProgress(minion.name, "device", 1, 1, "ready"))
+    verify = []
+    if target is not None:
+        if progress:
+            progress(LoadProgress("target", "device", 0, 1, "timing its passes for the cost model"))
+        verify = samples["target"] = time_verify_passes(target, vocab)
+        if progress:
+            progress(LoadProgress("target", "device", 1, 1, "ready"))
+    grow = {name: s for name, s in samples.items() if name != "target"}
     if samples:
-        calibrate(samples)
+        calibrate(grow, verify)
     return samples

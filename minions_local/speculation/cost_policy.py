@@ -119,10 +119,12 @@ class CostModelBudget:
                      for g in self.model.grow for p in [runs.get(g.name, 1.0)])
         return replace(self.model, grow=grow)
 
-    def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]]) -> None:
-        """Fold minions' timed passes (calibration.time_grow_passes) into the prior:
-        measured beats the profile's guess, so they outweigh it ten to one."""
-        self._prior = self._prior.refined(grow_samples=grow_samples, weight=0.1)
+    def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],
+                  verify_samples: list[tuple[int, float]] = ()) -> None:
+        """Fold minions' timed passes (calibration.time_grow_passes) and the target's
+        (time_verify_passes) into the prior: measured beats the profile's guess, so
+        they outweigh it ten to one."""
+        self._prior = self._prior.refined(verify_samples=verify_samples, grow_samples=grow_samples, weight=0.1)
         if self._steps:
             self.refit()  # the steps seen so far, over the new prior
         else:

@@ -107,7 +107,8 @@ class EngineMethod(Method):
 
 def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy, selection: str = "learned") -> Engine:
     """An engine over `base`'s already loaded target (same tier, dtype, stream options)."""
-    calibrate_policy(policy, minions, base.decoder.target.vocab_size)  # as Engine.from_pretrained does
+    calibrate_policy(policy, minions, base.decoder.target.vocab_size,  # as Engine.from_pretrained does
+                     target=base.decoder.target)
     decoder = Decoder(base.decoder.target, list(minions), policy, top_k=base.decoder.top_k, selection=selection)
     return Engine(decoder, base.tokenizer, profile_name=base.profile_name, memory_plan=base.memory_plan)
 

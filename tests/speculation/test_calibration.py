@@ -81,3 +81,50 @@ def test_timing_is_reported_as_loading_progress():
     calibrate_policy(policy, [PricedMinion()], vocab=100, progress=events.append)
     assert [(e.model, e.done_bytes, e.total_bytes) for e in events] == [("priced", 0, 1), ("priced", 1, 1)]
     assert "timing" in events[0].message
+
+
+FLAT, PER_NODE = 0.004, 0.0004
+
+
+class PricedTarget:
+    """A target whose pass costs FLAT + PER_NODE * draft nodes: compute-bound trees, where
+    a profile's physics may have called them free."""
+
+    vocab_size = 100
+
+    def __init__(self):
+        self.trees, self.resets = [], 0
+
+    def prefill(self, context):
+        self.context = list(context)
+
+    def verify(self, context, tree):
+        assert context == self.context and tree.tokens[0] == context[-1]
+        self.trees.append(tree.draft_size)
+        time.sleep(FLAT + PER_NODE * tree.draft_size)
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_the_targets_pass_is_timed_at_two_tree_sizes_and_slopes_the_prior():
+    from minions_local.speculation.calibration import VERIFY_SIZES, time_verify_passes
+
+    target = PricedTarget()
+    samples = time_verify_passes(target, vocab=100)
+    assert [n for n, _ in samples] == list(VERIFY_SIZES) and target.trees == [VERIFY_SIZES[0], *VERIFY_SIZES]
+    assert target.resets == 1
+    for nodes, seconds in samples:
+        assert seconds == pytest.approx(FLAT + PER_NODE * nodes, rel=0.5, abs=0.002)
+    # A prior that thinks trees are free (a read-bound pass that is not) picks a big tree;
+    # timed, the same policy sees each node's price and picks a smaller one.
+    free_trees = CostModel(VerifyTime(flat=0.005, base=0.001, slope=0.000001), (GrowTime("ngram", 0.0002, 0.0),))
+    before = CostModelBudget(free_trees, max_nodes=64).choose(1000)
+    policy = CostModelBudget(free_trees, max_nodes=64)
+    samples = calibrate_policy(policy, [PricedMinion("ngram", free=True)], vocab=100, target=PricedTarget())
+    assert set(samples) == {"target"}
+    assert policy.model.t_verify(48) == pytest.approx(FLAT + PER_NODE * 49, rel=0.3)
+    assert policy.choose(1000).nodes < before.nodes
+    # No minions, no trees: the target is not timed.
+    assert calibrate_policy(CostModelBudget(free_trees), [], vocab=100, target=(quiet := PricedTarget())) == {}
+    assert quiet.trees == []

@@ -9,7 +9,7 @@ trees (and only for the widths it happened to try). A few grows on a made-up con
 before the first request cost ~0.1-0.5 s of loading and give the refit real samples
 at a narrow and a wide pass from the start.
 
-The target's pass is timed too, at two tree sizes: its prior is physics as well, and
+The target's pass is timed too, at three tree sizes: its prior is physics as well, and
 where compute is dearer than the profile says (SmolLM2 streamed on a 2-core AVX2 CPU:
 8-10 ms a tree node where the profile's throughput gives 1), the steps' own samples,
 all at the one tree size the policy picked, could not tell a flat pass from a sloped
@@ -53,9 +53,12 @@ def time_grow_passes(minion: Minion, vocab: int, shapes: Sequence[tuple[int, int
     return samples
 
 
-VERIFY_SIZES = (0, 24)
-"""Draft nodes of the target's timed passes: a 1-token pass and a tree a CPU still
-verifies in a few 1-token passes' time (on a GPU, both cost the same: the reads)."""
+VERIFY_SIZES = (0, 4, 24)
+"""Draft nodes of the target's timed passes: a 1-token pass (what a step without a tree
+costs), a small tree and one a CPU still verifies in a few 1-token passes' time (on a
+GPU all three cost the same: the reads). A CPU's matmuls get cheaper per row as rows
+are added (2-core AVX2, float32: 1 row 0.12 ms, 2 rows 0.22, 8 rows 0.27), so a line
+through the 1-token pass alone would price small trees low (by 13% in a run)."""
 
 
 def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES) -> list[tuple[int, float]]:

@@ -107,7 +107,7 @@ class PricedTarget:
         self.resets += 1
 
 
-def test_the_targets_pass_is_timed_at_two_tree_sizes_and_slopes_the_prior():
+def test_the_targets_pass_is_timed_at_several_tree_sizes_and_slopes_the_prior():
     from minions_local.speculation.calibration import VERIFY_SIZES, time_verify_passes
 
     target = PricedTarget()

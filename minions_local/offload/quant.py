@@ -9,7 +9,7 @@ linear projections) are quantized; norms and biases stay in the compute dtype.
   q in [-8, 7], two values per byte (even column in the low nibble).
 - ``bf16``: the weight in bfloat16, no scale, for a float32 compute dtype: the bytes
   of published bf16 weights, computed in float32 where the CPU has no bf16 matmul
-  kernels (offload/dtypes.py, `fast_dtype`); widening is exact.
+  kernels (offload/dtypes.py, `fast_compute_dtype`); widening is exact.
 
 Scales are stored in the compute dtype and the integers are computed from the
 *stored* scale, so `dequantize` is the only definition of the weights the model

@@ -27,7 +27,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 # quantization (its default).
 _QUANT_BYTES = {
     "int8": 1.0,
-    "bf16": 2.0,  # bf16 weights below a float32 compute dtype (offload/quant.py)
     "int4": 0.5 + 2 / 64,
     "nf4": 0.5 + (1 + 4 / 256) / 64,
     # llama.cpp's k-quant mixes for a 'substitute' minion (some tensors keep more bits):

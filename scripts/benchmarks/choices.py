@@ -70,10 +70,16 @@ def settings(args: argparse.Namespace) -> dict:
         base["threads"] = [int(t) for t in args.threads.split(",")]
     if args.dtypes is not None:
         base["dtypes"] = args.dtypes.split(",")
-    elif "bf16" in base["dtypes"] and not cpu_has_bf16_matmul():
+    elif "bf16" in base["dtypes"] and not cpu_has_bf16_matmul() and _on_cpu(args.profile):
         # Our engine widens streamed bf16 weights to float32 math here (the trees' gain);
         # its baseline must also get bf16 math, which a 1-token pass does faster.
         base["dtypes"].insert(1, "bf16:bf16")
     if args.fixed is not None:
         base["fixed"] = [int(n) for n in args.fixed.split(",")]
     return base
+
+
+def _on_cpu(profile: str) -> bool:
+    from minions_local.profile import load_profile
+
+    return load_profile(profile).hardware.device == "cpu"

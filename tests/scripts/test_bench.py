@@ -201,3 +201,23 @@ def test_memory_group_holds_a_child_under_its_limit_and_goes_away():
         child.wait()
         group.remove()
     assert not group.path.exists()
+
+
+def test_a_cpu_without_bf16_kernels_also_tries_our_baseline_in_bf16_math(monkeypatch):
+    """Where our engine widens streamed bf16 weights to float32 math, the autoregressive
+    baseline must still get bf16 math (a 1-token pass is faster in it), or its ratios flatter us."""
+    import argparse
+
+    from benchmarks import choices
+
+    def dtypes(profile: str, native: bool) -> list[str]:
+        monkeypatch.setattr(choices, "cpu_has_bf16_matmul", lambda: native)
+        args = argparse.Namespace(tiny=False, quick=True, prompts=None, max_new=None, threads=None, dtypes=None,
+                                  fixed=None, profile=profile)
+        return choices.settings(args)["dtypes"]
+
+    assert dtypes("cpu-demo-disk", native=False) == ["bf16", "bf16:bf16", "fp32"]
+    assert dtypes("cpu-demo-disk", native=True) == ["bf16", "fp32"]
+    assert dtypes("rtx4090-70b", native=False) == ["bf16", "fp32"]  # a GPU computes bf16 natively
+    from benchmarks.lineup import weights_and_math
+    assert weights_and_math("bf16:bf16") == ("bf16", "bf16") and weights_and_math("fp32") == ("fp32", "auto")

@@ -104,23 +104,20 @@ def calibrate_policy(policy, minions: Sequence[Minion], vocab: int,
     calibrate = getattr(policy, "calibrate", None)
     if calibrate is None or not minions:
         return {}
-    samples = {}
-    for minion in minions:
-        if minion.depth_is_free:
-            continue
-        if progress:
-            progress(LoadProgress(minion.name, "device", 0, 1, "timing its passes for the cost model"))
-        samples[minion.name] = time_grow_passes(minion, vocab)
-        if progress:
-            progress(LoadProgress(minion.name, "device", 1, 1, "ready"))
-    verify = []
-    if target is not None:
-        if progress:
-            progress(LoadProgress("target", "device", 0, 1, "timing its passes for the cost model"))
-        verify = samples["target"] = time_verify_passes(target, vocab)
-        if progress:
-            progress(LoadProgress("target", "device", 1, 1, "ready"))
-    grow = {name: s for name, s in samples.items() if name != "target"}
-    if samples:
-        calibrate(grow, verify)
+    samples = {m.name: _reported(progress, m.name, lambda m=m: time_grow_passes(m, vocab))
+               for m in minions if not m.depth_is_free}
+    verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab)) if target is not None else []
+    if samples or verify:
+        calibrate(samples, verify)
+    return samples | ({"target": verify} if verify else {})
+
+
+def _reported(progress: Callable[[LoadProgress], None] | None, name: str,
+              timing: Callable[[], list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """`timing()`, shown as a loading step of the model `name`."""
+    if progress:
+        progress(LoadProgress(name, "device", 0, 1, "timing its passes for the cost model"))
+    samples = timing()
+    if progress:
+        progress(LoadProgress(name, "device", 1, 1, "ready"))
     return samples

@@ -124,9 +124,9 @@ class Lineup:
         base = Engine.from_pretrained(**kwargs)
         weights = param_bytes(base.decoder.target.model)
         policy = type(base.decoder.policy).__name__
-        math = dtype_name(base.decoder.target.model.dtype)
-        label = dtype if compute_dtype(weights_and_math(dtype)[0]) == base.decoder.target.model.dtype \
-            else f"{weights_and_math(dtype)[0]} weights, {math} math"
+        weights_name, _ = weights_and_math(dtype)
+        math = base.decoder.target.model.dtype
+        label = dtype if compute_dtype(weights_name) == math else f"{weights_name} weights, {dtype_name(math)} math"
 
         def method(name: str, family: str, engine: Engine, detail: str) -> list[Method]:
             return self._threads(EngineMethod(name, family, engine, 1, f"{label}, {detail}", dtype=dtype,

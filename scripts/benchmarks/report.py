@@ -116,7 +116,9 @@ def histogram(values: list[int]) -> dict[str, int]:
 
 def time_split(runs: list[Run]) -> dict[str, float]:
     """Where an engine method's wall time went: shares of grow, verify, prefill and the
-    rest (the decode loop's own Python: accept, commit, bookkeeping), and its mean tree."""
+    rest (the decode loop's own Python: accept, commit, bookkeeping), its mean tree, and
+    `tok_s_growing_free`: its speed had its minions grown for nothing (the same trees,
+    the growing's time taken out), the ceiling a cheaper drafter could reach."""
     wall = sum(r.seconds for r in runs)
     grow = sum(s.t_grow for r in runs for s in r.steps)
     verify = sum(s.t_verify for r in runs for s in r.steps)
@@ -127,7 +129,8 @@ def time_split(runs: list[Run]) -> dict[str, float]:
             "other": share(wall - grow - verify - prefill),
             "ms_per_pass": round(1000 * (grow + verify) / len(steps), 2) if steps else 0.0,
             "verify_ms_per_pass": round(1000 * verify / len(steps), 2) if steps else 0.0,
-            "mean_tree": round(sum(s.tree_size for s in steps) / len(steps), 1) if steps else 0.0}
+            "mean_tree": round(sum(s.tree_size for s in steps) / len(steps), 1) if steps else 0.0,
+            "tok_s_growing_free": round(sum(len(r.tokens) for r in runs) / (wall - grow), 2) if wall > grow else 0.0}
 
 
 def bytes_per_pass(method: Method, runs: list[Run], tier: str) -> int:

@@ -13,7 +13,7 @@ from benchmarks.llama_child import MethodFailed
 from benchmarks.memlimit import ROOT, MemoryGroup, NoMemoryGroup
 from benchmarks.methods import Method, Run
 from benchmarks.report import (bytes_per_pass, goal_checks, physical_bound, prediction_errors, stream_efficiency,
-                               summarize)
+                               summarize, time_split)
 from benchmarks.rounds import calibrate, interleaved
 
 from minions_local.core.events import StepRecord
@@ -62,9 +62,11 @@ def test_bench_tiny_end_to_end(tier, tmp_path, capsys):
     if disk:
         assert result["raw_read_gbps"] > 0 and result["stream_efficiency"]["efficiency"] > 0
         assert result["physical_bound_tokens_per_s"] > 0
+        assert result["raw_read_gbps"] == max(result["raw_reads_gbps"])  # the best the disk did
     else:
         assert result["raw_read_gbps"] is None and result["physical_bound_tokens_per_s"] is None
         assert result["goals"]["disk_greedy_vs_autoregressive"]["passed"] is None
+    assert result["time_split"]["autoregressive"]["vs_autoregressive_growing_free"] > 0
     assert result["goals"]["adaptive_vs_best_fixed"]["value"] == result["adaptive_vs_best_fixed"]
     assert Path(result["plot"]).is_file() and Path(result["plot"]).stat().st_size > 0
     assert "bound tok/s" in "\n".join(out)  # the human table came first
@@ -154,6 +156,14 @@ def test_bytes_per_pass_bound_and_stream_efficiency():
     assert physical_bound(3.0, 2.0, 10**9) == 6.0 and physical_bound(3.0, None, 10**9) is None
     eff = stream_efficiency([_run(4, 2.0, 4, streamed_bytes=2 * 10**9)], 2.0)
     assert eff == {"achieved_gbps": 1.0, "raw_read_gbps": 2.0, "efficiency": 0.5}
+
+
+def test_time_split_says_how_fast_the_same_trees_would_go_if_growing_were_free():
+    steps = [StepRecord(tree_size=8, accepted=3, t_grow=0.05, t_verify=0.1)] * 4
+    split = time_split([_run(16, 1.0, 4, steps)])  # 0.2 s of its 1.0 s grew trees
+    assert split["grow"] == 0.2 and split["ms_per_pass"] == 150.0 and split["mean_tree"] == 8.0
+    assert split["tok_s_growing_free"] == 20.0  # 16 tokens in the 0.8 s left
+    assert time_split([_run(4, 1.0, 4)])["tok_s_growing_free"] == 4.0  # nothing grew: its own speed
 
 
 def test_calibration_keeps_each_methods_fastest_candidate():

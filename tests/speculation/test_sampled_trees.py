@@ -13,7 +13,7 @@ import torch
 
 from minions_local import Engine
 from minions_local.core.protocols import CandidateTree
-from minions_local.backends.hf_minion import draw_without_replacement
+from minions_local.backends.frontier import draw_without_replacement
 from minions_local.speculation import accept as accept_module
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.speculation.accept import accept

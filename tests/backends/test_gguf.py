@@ -257,12 +257,10 @@ def test_a_sampled_grow_draws_its_children_and_its_shape_ignores_the_draws(check
 def test_engine_samples_the_targets_law_with_drawn_gguf_drafts(tmp_path, bpe_tokenizer, monkeypatch):
     """A llama.cpp minion drawing its drafts: the first two tokens still follow the
     target's law (chi-square), and drafts are often accepted."""
-    from collections import Counter
-
     import minions_local.engine.engine as engine_module
     from minions_local import Engine
     from minions_local.core.sampling import SamplingParams, processed_probs
-    from tests.helpers.stats import chi2_pvalue
+    from tests.helpers.stats import chi2_pvalue, first_two_tokens
 
     stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
     monkeypatch.setattr(engine_module.random, "getrandbits", lambda bits: next(stream))
@@ -281,12 +279,7 @@ def test_engine_samples_the_targets_law_with_drawn_gguf_drafts(tmp_path, bpe_tok
     expected = {(x1, int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts)
                 for x2 in torch.nonzero(p2[i]).flatten()}
     n = 1200
-    seen, drafted = Counter(), 0
-    for _ in range(n):
-        out = engine.generate(prompt, max_new_tokens=2, temperature=0.8, top_k=5)
-        assert out.steps[0].regime == "sampled"
-        seen[tuple(out.token_ids)] += 1
-        drafted += out.steps[0].accepted > 0
+    seen, drafted = first_two_tokens(engine, prompt, n, temperature=0.8, top_k=5)
     assert drafted > n // 3, "drawn drafts should often serve both tokens in one pass"
     assert chi2_pvalue(seen, expected, n) > 0.001
 

@@ -21,3 +21,15 @@ def chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:
     assert sum(observed.values()) == n
     assert set(observed) <= set(expected), "sampled an outcome of probability 0"
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+def first_two_tokens(engine, prompt: list[int], n: int, **sampling) -> tuple[Counter, int]:
+    """n two-token sampled generations: how often each (first, second) pair came, and in
+    how many the first step accepted a draft (both tokens from one target pass)."""
+    seen, drafted = Counter(), 0
+    for _ in range(n):
+        out = engine.generate(prompt, max_new_tokens=2, **sampling)
+        assert out.steps[0].regime == "sampled"
+        seen[tuple(out.token_ids)] += 1
+        drafted += out.steps[0].accepted > 0
+    return seen, drafted

@@ -18,7 +18,7 @@ from minions_local.speculation import accept as accept_module
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.speculation.accept import accept
 from minions_local.speculation.vote import merge_sampled, source_shares
-from tests.helpers.stats import chi2_pvalue
+from tests.helpers.stats import chi2_pvalue, first_two_tokens
 from tests.helpers.tiny_models import noisy_copy, random_model, save, tiny_config
 
 VOCAB = 6
@@ -172,13 +172,7 @@ def test_engine_sampled_drafts_law_of_first_tokens(two_minion_family, monkeypatc
     expected = {(x1, x2): float(p1[x1] * p2[x1, x2]) for x1 in range(12) for x2 in range(12)
                 if float(p1[x1] * p2[x1, x2]) > 0}
     n = 1500
-    seen = Counter()
-    multi = drafted = 0
-    for _ in range(n):
-        out = engine.generate(prompt, max_new_tokens=2, temperature=0.8, top_k=6)
-        assert out.steps[0].regime == "sampled"
-        seen[tuple(out.token_ids)] += 1
-        multi += out.steps[0].accepted > 0
+    seen, multi = first_two_tokens(engine, prompt, n, temperature=0.8, top_k=6)
     assert multi > n // 3, "sampled drafts should often serve both tokens in one pass"
     assert chi2_pvalue(seen, expected, n) > 0.001
 

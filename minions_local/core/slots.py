@@ -19,17 +19,25 @@ from typing import Any
 class SlotStates:
     """Swap a backend's per-request attributes between slots.
 
-    A subclass names the attributes in `SLOT_FIELDS` and says how a new slot starts in
-    `fresh_slot_state` (empty caches); `release_slot_state` frees what a dropped
-    slot held outside Python (a llama.cpp context, say). The slot in use lives in the
-    attributes themselves; the others wait in `_parked`.
+    Each class names its own attributes in `SLOT_FIELDS` (the fields of every class
+    in the MRO count) and says how a new slot starts in `fresh_slot_state` (empty
+    caches; cooperative: a subclass adds to what `super()` gives); `release_slot_state`
+    frees what a dropped slot held outside Python (a llama.cpp context, say). The slot
+    in use lives in the attributes themselves; the others wait in `_parked`.
     """
 
     SLOT_FIELDS: tuple[str, ...] = ()
 
+    def slot_fields(self) -> tuple[str, ...]:
+        """Every per-request attribute, from every class in the MRO."""
+        seen: dict[str, None] = {}
+        for cls in reversed(type(self).__mro__):
+            seen.update(dict.fromkeys(cls.__dict__.get("SLOT_FIELDS", ())))
+        return tuple(seen)
+
     def fresh_slot_state(self) -> dict[str, Any]:
         """The attributes of a slot that has seen nothing yet."""
-        raise NotImplementedError
+        return {}
 
     def release_slot_state(self, state: dict[str, Any]) -> None:
         """Free what a dropped slot's attributes hold beyond memory Python reclaims."""
@@ -48,7 +56,7 @@ class SlotStates:
         if slot == current:
             return
         parked = self.__dict__.setdefault("_parked", {})
-        parked[current] = {name: getattr(self, name) for name in self.SLOT_FIELDS}
+        parked[current] = {name: getattr(self, name) for name in self.slot_fields()}
         state = parked.pop(slot, None)
         if state is None:
             state = self.fresh_slot_state()
@@ -60,7 +68,7 @@ class SlotStates:
         """Forget `slot`'s state (its request ended). Dropping the slot in use empties
         it instead (its attributes must always hold some state)."""
         if slot == self.slot:
-            old = {name: getattr(self, name) for name in self.SLOT_FIELDS}
+            old = {name: getattr(self, name) for name in self.slot_fields()}
             for name, value in self.fresh_slot_state().items():
                 setattr(self, name, value)
             self.release_slot_state(old)

@@ -18,11 +18,38 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minions_local.backends.hf import CachedModel
+
+
+@dataclass(eq=False)
+class KVSlot:
+    """One sequence's keys and values in every layer: kv [layers, 2, kv_heads,
+    capacity, head_dim], the first `length` positions filled."""
+
+    kv: torch.Tensor
+    length: int = 0
+
+
+@dataclass(eq=False)
+class PassPart:
+    """One sequence's share of a pass: its new tokens on top of its own cache."""
+
+    slot: KVSlot
+    tokens: list[int]
+    mask: torch.Tensor
+    """Additive (1, 1, T, slot.length + T): what each new token may see."""
+    positions: torch.Tensor
+    """[1, T] rotary positions."""
+    prefill: bool = False
+    """A prompt chunk: only its last row's logits, attention on the fast kernel."""
+    hidden: torch.Tensor | None = None
+    """Filled by the pass: the final normed hidden states of its rows [T, d]."""
 
 
 class CompactDecoder:
@@ -53,27 +80,49 @@ class CompactDecoder:
         if pack and packing_is_exact(self.dtype, self.device):
             self._pack()
         self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
-        self.kv = self._alloc(min(capacity, self.max_len))
-        self.length = 0
+        self.capacity = min(capacity, self.max_len)
+        """Tokens a new slot's cache starts with room for (it doubles as it fills)."""
+        self.slot_kv = self.new_slot()
+        """The cache of the sequence that `forward` runs on (one per request: core/slots.py)."""
         self.last_hidden: torch.Tensor | None = None
         """The last pass's final normed hidden states [T, d]: what the head read (the
         target's features, which a feature drafter drafts from)."""
+
+    def new_slot(self) -> KVSlot:
+        """An empty cache for one more sequence."""
+        return KVSlot(self._alloc(self.capacity))
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.slot_kv.kv
+
+    @property
+    def length(self) -> int:
+        return self.slot_kv.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.slot_kv.length = value
+
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token takes (every layer's key and value)."""
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         shape = (len(self.layers), 2, self.kv_heads, capacity, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def _reserve(self, needed: int) -> None:
-        """Grow the cache by doubling: a long-context minion never preallocates its
+    def _reserve(self, slot: KVSlot, needed: int) -> None:
+        """Grow a cache by doubling: a long-context minion never preallocates its
         whole window."""
-        capacity = self.kv.shape[3]
+        capacity = slot.kv.shape[3]
         if needed <= capacity:
             return
         while capacity < needed:
             capacity *= 2
         bigger = self._alloc(capacity)
-        bigger[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
-        self.kv = bigger
+        bigger[:, :, :, :slot.length] = slot.kv[:, :, :, :slot.length]
+        slot.kv = bigger
 
     def _fuse(self, layer) -> dict | None:
         """A layer's weights as this forward holds them (None: they arrive with each pass)."""
@@ -134,7 +183,8 @@ class CompactDecoder:
     def keep_entries(self, positions: list[int]) -> None:
         index = torch.tensor(positions, dtype=torch.long, device=self.device)
         n = len(positions)
-        self.kv[:, :, :, :n] = self.kv.index_select(3, index)
+        kv = self.kv
+        kv[:, :, :, :n] = kv.index_select(3, index)
         self.length = n
 
     # --- forward ---------------------------------------------------------------------
@@ -151,10 +201,13 @@ class CompactDecoder:
             return F.rms_norm(x, (x.shape[-1],), w, eps=self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype) * w
 
-    @torch.inference_mode()
+    def _begin_pass(self) -> None:
+        """A pass starts (a streamed forward starts its layers' reads here)."""
+
     def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, *,
                 prefill: bool = False) -> torch.Tensor:
-        """Logits [T, V] (float32) for T new tokens; mask (1, 1, T, length + T) additive.
+        """Logits [T, V] (float32) for T new tokens on the current slot's cache; mask
+        (1, 1, T, length + T) additive.
 
         `prefill`: a chunk of a prompt, whose rows no 1-token pass is ever compared
         with. Only its last row's logits are computed ([1, V]), and attention runs on
@@ -163,12 +216,34 @@ class CompactDecoder:
         prefilled and decoded cache entries the same in every decoding mode (Engine:
         a reply's cache ends where autoregressive decoding's would), so both modes
         prefill the same tokens the same way. `last_hidden` keeps every row."""
-        t = len(tokens)
-        self._reserve(self.length + t)
-        x = self._inputs(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [1, T, d]
+        part = PassPart(self.slot_kv, tokens, mask, positions, prefill)
+        logits = self.forward_parts([part])[0]
+        self.last_hidden = part.hidden
+        return logits
+
+    @torch.inference_mode()
+    def forward_parts(self, parts: list[PassPart]) -> list[torch.Tensor]:
+        """One pass over several sequences' new tokens (continuous batching): their
+        rows are packed with no padding, every matmul (a streamed layer's weights) runs
+        once over all of them, and attention runs per part, over that part's own cache
+        and mask. Returns each part's logits, as `forward` would alone; each part's
+        final hidden states land in `part.hidden`.
+
+        Every row comes out as it would in a pass of its own: norms, RoPE and the MLP
+        act row by row, the matmuls do for two or more rows (`_linear`), and attention
+        sees only the part's own keys."""
+        spans, start = [], 0
+        for p in parts:
+            self._reserve(p.slot, p.slot.length + len(p.tokens))
+            spans.append((start, start + len(p.tokens)))
+            start += len(p.tokens)
+        t = start
+        self._begin_pass()
+        ids = torch.tensor([tok for p in parts for tok in p.tokens], dtype=torch.long, device=self.device)
+        x = self._inputs(ids)  # [1, T, d]
+        positions = parts[0].positions if len(parts) == 1 else torch.cat([p.positions for p in parts], dim=1)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, hd]
-        start, end = self.length, self.length + t
         nq, nkv, hd = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
         for i in range(len(self.layers)):
             L = self._layer(i)
@@ -181,22 +256,35 @@ class CompactDecoder:
             else:  # rotate queries and keys in one go: half the small ops
                 qk = _rope(qkv[..., :nq + nkv].view(1, t, self.heads + self.kv_heads, hd).transpose(1, 2), cos, sin)
                 q, k = qk[:, :self.heads], qk[:, self.heads:]
-            self.kv[i, 0, :, start:end] = k[0]
-            self.kv[i, 1, :, start:end] = v[0]
-            keys = self.kv[i, 0, :, :end].unsqueeze(0)
-            values = self.kv[i, 1, :, :end].unsqueeze(0)
-            att = self._attend(q, keys, values, mask, row_invariant=self.row_invariant and not prefill)
+            att = [self._attend_part(i, p, q[:, :, a:b], k[0, :, a:b], v[0, :, a:b]) for p, (a, b) in zip(parts, spans)]
+            att = att[0] if len(att) == 1 else torch.cat(att, dim=2)
             x = x + self._linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
             h = self._rms(x, L["ln2"])
             gate_up = self._linear(h, L["gate_up"])
             x = x + self._linear(F.silu(gate_up[..., :L["inter"]]) * gate_up[..., L["inter"]:], L["down"])
             self._done(i)
-        self.length = end
-        x = self._rms(x, self.norm_w)
-        self.last_hidden = x[0]
+        x = self._rms(x, self.norm_w)[0]
+        for p, (a, b) in zip(parts, spans):
+            p.slot.length += b - a
+            p.hidden = x[a:b]
         # The head is a fifth of a prefill's flops on a 49k vocabulary (SmolLM2: 278 ms
-        # of a 512-token chunk on 2 cores) and its [T, V] float32 logits 100 MB.
-        return self._linear(x[0][-1:] if prefill else x[0], self.lm_head, head=True).float()
+        # of a 512-token chunk on 2 cores) and its [T, V] float32 logits 100 MB: a
+        # prompt chunk's rows but its last skip it.
+        rows = [(b - 1, b) if p.prefill else (a, b) for p, (a, b) in zip(parts, spans)]
+        picked = x[rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([x[a:b] for a, b in rows])
+        logits = self._linear(picked, self.lm_head, head=True).float()
+        return list(logits.split([b - a for a, b in rows]))
+
+    def _attend_part(self, layer: int, part: PassPart, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Write one part's new keys and values into its cache and attend over it."""
+        kv, start = part.slot.kv, part.slot.length
+        end = start + k.shape[1]
+        kv[layer, 0, :, start:end] = k
+        kv[layer, 1, :, start:end] = v
+        keys = kv[layer, 0, :, :end].unsqueeze(0)
+        values = kv[layer, 1, :, :end].unsqueeze(0)
+        return self._attend(q, keys, values, part.mask, row_invariant=self.row_invariant and not part.prefill)
 
     def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input for these token ids: their embeddings."""
@@ -328,10 +416,33 @@ class CompactModel(CachedModel):
     """Whether the forward must round exactly like transformers (a target must)."""
     decoder_class = CompactDecoder
 
+    SLOT_FIELDS = ("kv_slot",)
+
     def __init__(self, model, *, row_invariant: bool = False, **kwargs) -> None:
         super().__init__(model, **kwargs)
         self.decoder = self.decoder_class(model, exact=self.exact, row_invariant=row_invariant)
         self.cache = None  # the decoder owns the keys and values
+
+    def fresh_slot_state(self) -> dict:
+        return super().fresh_slot_state() | {"cache": None, "kv_slot": self.decoder.new_slot()}
+
+    @property
+    def kv_slot(self) -> KVSlot:
+        """The current slot's keys and values (they live in the decoder, which runs on them)."""
+        return self.decoder.slot_kv
+
+    @kv_slot.setter
+    def kv_slot(self, slot: KVSlot) -> None:
+        self.decoder.slot_kv = slot
+
+    def kv_bytes_per_token(self) -> int:
+        return self.decoder.kv_bytes_per_token()
+
+    def pass_part(self, tokens: list[int], anc: np.ndarray, depths: list[int], base_pos: int) -> PassPart:
+        """The current slot's share of a shared pass (see CachedModel.forward for the
+        arguments)."""
+        mask, positions = self.pass_inputs(tokens, anc, depths, base_pos)
+        return PassPart(self.decoder.slot_kv, list(tokens), mask, positions)
 
     def weight_bytes(self) -> int:
         return self.decoder.weight_bytes()

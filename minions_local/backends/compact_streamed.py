@@ -60,11 +60,9 @@ class StreamedCompactDecoder(CompactDecoder):
         if self.layers[i] is None:
             self.weights[i].exit()
 
-    def forward(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, *,
-                prefill: bool = False) -> torch.Tensor:
+    def _begin_pass(self) -> None:
         if self.store is not None:
             self.store.begin_pass()
-        return super().forward(tokens, mask, positions, prefill=prefill)
 
 
 def stacked(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import tree_attention_mask
 from minions_local.core.protocols import common_prefix_len
+from minions_local.core.slots import SlotStates
 from minions_local.offload.checkpoint import Checkpoint
 from minions_local.offload.config_match import check_config_matches, unloaded_weights_error
 from minions_local.offload.dtypes import compute_dtype
@@ -130,11 +131,14 @@ def context_length(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
 
 
-class CachedModel:
-    """A causal LM plus the KV cache of one token sequence it has already run.
+class CachedModel(SlotStates):
+    """A causal LM plus the KV cache of one token sequence it has already run, per
+    slot (core/slots.py: one sequence per request; the weights are shared).
 
     `cached` lists the tokens whose keys/values are in the cache, in cache order.
     """
+
+    SLOT_FIELDS = ("cache", "cached")
 
     def __init__(self, model) -> None:
         self.model = model
@@ -143,6 +147,9 @@ class CachedModel:
         self.vocab_size = int(model.config.vocab_size)
         self.cache = DynamicCache()
         self.cached: list[int] = []
+
+    def fresh_slot_state(self) -> dict:
+        return super().fresh_slot_state() | {"cache": DynamicCache(), "cached": []}
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -189,10 +196,17 @@ class CachedModel:
         entries before those are visible to all). A chain is lower-triangular [T, T].
         Positions are base_pos + depth; the new entries are appended to the cache.
         """
+        mask, pos = self.pass_inputs(tokens, anc, depths, base_pos)
+        return self._run(tokens, mask, pos, prefill)
+
+    def pass_inputs(self, tokens: list[int], anc: np.ndarray, depths: list[int],
+                    base_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The additive mask (1, 1, T, cache + T) and positions [1, T] of new tokens on
+        top of the cache (see `forward`)."""
         prefix = self.cache_len + len(tokens) - anc.shape[1]
         mask = tree_attention_mask(anc, prefix, self.dtype, self.device)
         pos = torch.tensor([[base_pos + d for d in depths]], dtype=torch.long, device=self.device)
-        return self._run(tokens, mask, pos, prefill)
+        return mask, pos
 
     def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The model call itself: logits [T, V] float32 ([1, V]: `prefill`), new

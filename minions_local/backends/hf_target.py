@@ -8,7 +8,7 @@ streamed from RAM or disk is a property of the model object it wraps.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,11 +16,13 @@ from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
-from minions_local.core.protocols import common_prefix_len
+from minions_local.core.protocols import SlotTree, common_prefix_len
 from minions_local.offload.binding import layer_weights
 
 
 class HFTarget(CachedModel):
+    SLOT_FIELDS = ("_prefix_len", "_features", "_tree_features")
+
     def __init__(self, model, bytes_streamed: Callable[[], int] | None = None) -> None:
         super().__init__(model)
         # The compact forward keeps its hidden states for free; transformers' would keep
@@ -32,6 +34,22 @@ class HFTarget(CachedModel):
         """The final normed hidden state at each committed cache entry, in cache order:
         what the head read there. A feature drafter (backends/eagle.py) drafts from it."""
         self._tree_features: torch.Tensor | None = None
+
+    def fresh_slot_state(self) -> dict:
+        return super().fresh_slot_state() | {"_prefix_len": 0, "_features": torch.empty(0), "_tree_features": None}
+
+    shares_passes = False
+    """Whether `verify_batch` runs several requests' trees in one pass (the compact
+    forward); transformers' forward verifies them one pass each."""
+
+    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
+        """Each request's tree, verified on its own slot's cache: logits [T_i, V] per
+        tree, as `verify` would give them alone. Leaves the last request's slot in use."""
+        out = []
+        for item in trees:
+            self.use_slot(item.slot)
+            out.append(self.verify(item.context, item.tree))
+        return out
 
     def features_of(self, tokens: list[int]) -> torch.Tensor:
         """Features [m, d] of the longest prefix of `tokens` in this target's cache."""
@@ -80,13 +98,39 @@ class HFTarget(CachedModel):
         self._features = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else torch.empty(0))
 
 
-class CompactTarget(CompactModel, HFTarget):
+class SharedPassTarget(CompactModel, HFTarget):
+    """A target on the compact forward: several requests' trees share one pass."""
+
+    shares_passes = True
+
+    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
+        """One pass for every request's tree: the weights (a streamed target's reads)
+        once over all rows, attention per request over its own slot (compact.py
+        forward_parts). A slot whose cache is behind its context catches up first, in
+        passes of its own."""
+        if len(trees) == 1:
+            return super().verify_batch(trees)
+        parts = []
+        for item in trees:
+            self.use_slot(item.slot)
+            self.prefill(item.context)
+            self._prefix_len = self.cache_len
+            tree = item.tree
+            parts.append(self.pass_part(tree.tokens, tree.ancestor_matrix(), tree.depths, self._prefix_len))
+        logits = self.decoder.forward_parts(parts)
+        for item, part in zip(trees, parts):
+            self.use_slot(item.slot)
+            self._tree_features = part.hidden if self.keep_hidden else None
+        return logits
+
+
+class CompactTarget(SharedPassTarget):
     """A resident target on the compact forward (fused, prepacked matmuls): 1.4-1.9x
     faster passes on a CPU. Only used where its logits equal transformers' bit for
     bit on this machine (`exact_target` checks), so decoding stays token-identical."""
 
 
-class StreamedCompactTarget(CompactModel, HFTarget):
+class StreamedCompactTarget(SharedPassTarget):
     """A streamed target on the compact forward (fused matmuls over the layer buffers,
     no transformers modules per layer); used where its logits equal transformers'."""
 

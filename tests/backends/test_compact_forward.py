@@ -17,7 +17,7 @@ from tests.helpers.tiny_models import random_model, tiny_config
 def test_compact_matches_transformers(families, arch):
     model = AutoModelForCausalLM.from_pretrained(families[arch]["target"]).eval()
     ref, fast = CachedModel(model), CompactModel(model)
-    fast.decoder.kv = fast.decoder._alloc(4)  # force the cache to grow by doubling
+    fast.decoder.slot_kv.kv = fast.decoder._alloc(4)  # force the cache to grow by doubling
     prompt = list(range(3, 40))
     assert torch.allclose(ref.extend(prompt), fast.extend(prompt), atol=1e-4)
     tree = TokenTree.from_root(50)

@@ -154,6 +154,25 @@ class Minion(Protocol):
         """Forget all cached state."""
         ...
 
+    def use_slot(self, slot: int) -> None:
+        """Make `slot`'s state (one request's caches, tables, grown tree; 0: the
+        engine's conversation) the one prefill/grow/commit/reset act on."""
+        ...
+
+    def drop_slot(self, slot: int) -> None:
+        """Free a finished request's state."""
+        ...
+
+
+@dataclass(slots=True)
+class SlotTree:
+    """One request's share of a shared verification pass."""
+
+    slot: int
+    """The request's slot (core/slots.py): its cache in the target."""
+    context: list[int]
+    tree: TokenTree
+
 
 @runtime_checkable
 class Target(Protocol):
@@ -177,6 +196,23 @@ class Target(Protocol):
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         """Keep the prefix and the accepted path (node ids, root first); drop the rest."""
+        ...
+
+    shares_passes: bool
+    """Whether verify_batch runs several requests' trees in one pass (else one each)."""
+
+    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
+        """Each request's tree verified on its own slot, as `verify` would alone; the
+        slot in use afterwards is unspecified (use_slot before commit)."""
+        ...
+
+    def use_slot(self, slot: int) -> None:
+        """Make `slot` (one request's cache; 0: the engine's conversation) the one that
+        prefill/verify/commit act on; a new slot starts empty."""
+        ...
+
+    def drop_slot(self, slot: int) -> None:
+        """Free a finished request's cache."""
         ...
 
     def reset(self) -> None:

@@ -30,15 +30,23 @@ accepted far more often than the minion's top token. On cpu-demo-disk with the
 q3_k_m substitute, T=0.7, 7 chat prompts x 96 tokens, drawn against top tokens,
 interleaved, four runs: 3.41-3.83 -> 3.65-4.53 tokens per pass, 1.05-1.29x tok/s
 (mean 1.17x). Such a tree is not grown ahead: its draws belong to its step.
+
+Requests (core/slots.py): each slot is its own llama.cpp context on the one loaded
+model, so every sequence id, KV cell and logits row above belongs to one request and
+a request's trees are what they would be alone. A context is not free (`slot_bytes`):
+236 MiB for the default substitute, most of it the logits rows and the compute buffer
+sized for 256 sequences and 512-token prompt chunks, not the KV cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +54,9 @@ import numpy as np
 import torch
 
 from minions_local.backends.llama_build import build_problem
-from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
+from minions_local.core.errors import MemoryPlanError, ModelLoadError, VocabularyMismatchError
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children
 
 _INSTALL_HINT = (
@@ -60,6 +69,24 @@ _MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 _MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
 _llama: Any = None
 _log_callback: Any = None  # must outlive every llama.cpp call that may log
+_log_lines: list[str] | None = None  # while set, every llama.cpp log line lands here too
+_BUFFER_LINE = re.compile(r"\b(KV|output|compute) buffer size =\s*([0-9.]+) MiB")
+
+
+@contextlib.contextmanager
+def _buffer_report() -> Iterator[dict[str, int]]:
+    """Bytes of each buffer llama.cpp reports allocating inside the block ("KV",
+    "output", "compute"; summed over devices). Its own report, because the compute
+    buffer's size comes from planning a worst-case graph that no formula here mirrors."""
+    global _log_lines
+    sizes: dict[str, int] = {}
+    _log_lines = lines = []
+    try:
+        yield sizes
+    finally:
+        _log_lines = None
+        for match in _BUFFER_LINE.finditer("".join(lines)):
+            sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
 
 
 def import_llama_cpp() -> Any:
@@ -75,6 +102,8 @@ def import_llama_cpp() -> Any:
             raise ModelLoadError(f"GGUF minions need llama-cpp-python ({err}): {_INSTALL_HINT}.") from None
 
         def log(level: int, text: bytes, _user: Any) -> None:
+            if _log_lines is not None:
+                _log_lines.append(text.decode("utf-8", "replace"))
             if level == _GGML_LOG_ERROR:
                 sys.stderr.write(text.decode("utf-8", "replace"))
 
@@ -85,12 +114,12 @@ def import_llama_cpp() -> Any:
     return _llama
 
 
-class GGUFMinion:
+class GGUFMinion(SlotStates):
     """A minion backed by a .gguf file.
 
     Keyword arguments:
         name: shown in stats (default: the file name without .gguf).
-        n_ctx: KV cache size in tokens (prefix + one tree).
+        n_ctx: KV cache size in tokens (prefix + one tree), per request (slot).
         n_batch: most tokens per llama_decode call (longer prompts are chunked).
         n_threads: CPU threads (default: half the cores). llama.cpp's workers spin while
             they wait, so more threads than idle cores is far slower, not faster
@@ -113,6 +142,8 @@ class GGUFMinion:
 
     depth_is_free = False  # a deeper tree takes more llama_decode passes
     grows_ahead = True
+    SLOT_FIELDS = ("_ctx", "_mem", "_batch", "_threads_now", "_prefix", "_tree", "_frontier", "_node_seq", "_unrun")
+    """A request's own llama.cpp context (KV cache, sequence ids, logits) and what it holds."""
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
                  n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
@@ -135,7 +166,7 @@ class GGUFMinion:
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
 
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
-        self.n_threads = self._threads_now = threads
+        self.n_threads = threads
         self.grow_threads = grow_threads or max(threads, min(os.cpu_count() or 1, _MAX_GROW_THREADS))
         cparams = lib.llama_context_default_params()
         n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
@@ -152,20 +183,17 @@ class GGUFMinion:
         cparams.no_perf = True
         if kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
             cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self._ctx = lib.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            self.close()
-            raise ModelLoadError(f"llama.cpp could not create a context for {self.path} (n_ctx={n_ctx}): "
-                                 "try a smaller n_ctx.")
-        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self._cparams = cparams  # every slot's context is made with these
         self.n_batch = n_batch
-        self._mem = lib.llama_get_memory(self._ctx)
-        self._batch = lib.llama_batch_init(n_batch, 0, 1)
-        self._prefix: list[int] = []  # tokens held in sequence 0, at positions 0..len-1
-        self._tree: CandidateTree | None = None  # the last grown tree below _prefix[-1] ...
-        self._frontier: Frontier | None = None  # ... the candidates waiting to join it ...
-        self._node_seq: dict[int, int] = {}  # ... the sequence of each node that ran ...
-        self._unrun: list[int] = []  # ... and its nodes that did not (outranked, or too deep)
+        self._slot_buffers: dict[str, int] = {}  # what llama.cpp reported allocating for one context
+        try:
+            self.__dict__.update(self.fresh_slot_state())  # slot 0's context
+        except ModelLoadError:
+            self.close()
+            raise
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        # Shared by every slot: a pass takes the same time whichever request runs it, and
+        # the count is a statistic of the minion.
         self._ahead_pass = 0.0  # seconds a pass takes while growing ahead (a running average)
         self.carries = 0
         """Steps that started from a subtree grown ahead (see commit)."""
@@ -229,6 +257,55 @@ class GGUFMinion:
         self._prefix = []
         self._forget_tree()
 
+    # --- one state per request (core/slots.py) ------------------------------------------
+
+    def fresh_slot_state(self) -> dict[str, Any]:
+        """A new llama.cpp context on the loaded model (the weights are shared): its own
+        KV cache, sequence ids and logits, so one request's tree never meets another's."""
+        lib, first = self._lib, not self._slot_buffers
+        with _buffer_report() as buffers:
+            ctx = lib.llama_init_from_model(self._model, self._cparams)
+        if not ctx:
+            if first:
+                raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
+                                     f"(n_ctx={self._cparams.n_ctx}): try a smaller n_ctx.")
+            raise MemoryPlanError(f"llama.cpp could not create another context for {self.path}: each request "
+                                  f"holds its own ({self.slot_bytes() / 2**20:.0f} MiB). Serve fewer requests "
+                                  f"at once, or give the minion a smaller n_ctx.")
+        if first:
+            self._slot_buffers = buffers
+        return super().fresh_slot_state() | {
+            "_ctx": ctx, "_mem": lib.llama_get_memory(ctx), "_batch": lib.llama_batch_init(self.n_batch, 0, 1),
+            "_threads_now": self.n_threads,
+            "_prefix": [],  # tokens held in sequence 0, at positions 0..len-1
+            "_tree": None,  # the last grown tree below _prefix[-1] ...
+            "_frontier": None,  # ... the candidates waiting to join it ...
+            "_node_seq": {},  # ... the sequence of each node that ran ...
+            "_unrun": [],  # ... and its nodes that did not (outranked, or too deep)
+        }
+
+    def release_slot_state(self, state: dict[str, Any]) -> None:
+        lib = self._lib
+        if state.get("_batch") is not None:
+            lib.llama_batch_free(state["_batch"])
+        if state.get("_ctx"):
+            lib.llama_free(state["_ctx"])
+
+    def drop_slot(self, slot: int) -> None:
+        """Forget `slot`'s request and free its context. The slot in use keeps its
+        context, emptied: a new one would cost what the old one frees."""
+        if slot == self.slot:
+            self.reset()
+        else:
+            super().drop_slot(slot)
+
+    def slot_bytes(self) -> int:
+        """Bytes one more request (slot) costs: its context's KV cache, logits rows and
+        compute buffer, as llama.cpp reported them for the first context. For the
+        default q3_k_m SmolLM2 substitute (n_ctx 4096, f16 KV, 256 sequences, 49k
+        vocabulary): 90 MiB of KV + 48 of logits + 98 of compute = 236 MiB."""
+        return sum(self._slot_buffers.values())
+
     # --- model access -------------------------------------------------------------------
 
     def prefill(self, context: Sequence[int]) -> np.ndarray:
@@ -286,13 +363,13 @@ class GGUFMinion:
                                           f"{problem}. Export it from a model with the target's tokenizer.")
 
     def close(self) -> None:
+        """Free every slot's context, then the model."""
         lib = self._lib
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
+        for slot in self.slots_held():
+            if slot != self.slot:
+                self.drop_slot(slot)
+        self.release_slot_state({"_ctx": self._ctx, "_batch": self._batch})
+        self._ctx = self._batch = self._mem = None
         if self._model:
             lib.llama_model_free(self._model)
             self._model = None

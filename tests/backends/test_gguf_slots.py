@@ -1,0 +1,123 @@
+"""Requests on slots of one llama.cpp minion (core/slots.py): each slot is its own
+context on the shared model, so interleaved requests grow exactly the trees they would
+grow alone, dropping a slot frees its context, and slot 0 keeps its cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import minions_local
+from minions_local.backends.gguf_export import export_gguf
+from minions_local.core.protocols import GrowBudget
+from tests.helpers.slots import Request, alone, interleaved
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+pytestmark = pytest.mark.gguf
+
+DEMO = Path(minions_local.__file__).parent / "demo_models" / "minion-qwen2-xs"
+TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over", "import json\nimport os\n"]
+N_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory) -> Path:
+    return export_gguf(DEMO, tmp_path_factory.mktemp("slots") / "qwen2-xs-f32.gguf", type="f32")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    return [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXT]
+
+
+def _minion(path: Path):
+    from minions_local.backends.gguf import GGUFMinion
+
+    return GGUFMinion(path, n_ctx=N_CTX)
+
+
+class ContextCount:
+    """llama.cpp's C API with its live contexts counted."""
+
+    def __init__(self, lib, live: int) -> None:
+        self._lib, self.live = lib, live
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
+
+    def llama_init_from_model(self, model, params):
+        ctx = self._lib.llama_init_from_model(model, params)
+        self.live += bool(ctx)
+        return ctx
+
+    def llama_free(self, ctx) -> None:
+        self.live -= 1
+        self._lib.llama_free(ctx)
+
+
+def test_interleaved_requests_grow_what_they_grow_alone(demo_gguf, prompts):
+    """Three requests (the conversation on slot 0, two batch requests) taking turns
+    phase by phase, growing ahead and carrying subtrees into their next steps: every
+    tree equals, token for token and bit for bit, the tree a minion of its own grows."""
+    budget, ahead = GrowBudget(max_nodes=10, max_depth=4, width=3, top_k=3), GrowBudget(24, 6, width=3, top_k=3)
+    requests = {slot: Request(prompt, steps=4, budget=budget, ahead=ahead) for slot, prompt in enumerate(prompts)}
+    separate = [_minion(demo_gguf) for _ in requests]
+    expected = {slot: alone(lambda: separate[slot], r) for slot, r in requests.items()}
+    minion = _minion(demo_gguf)
+    got = interleaved(minion, requests)
+    assert got == expected
+    assert all(len(tree[0]) == budget.max_nodes for trees in got.values() for tree in trees)
+    assert minion.carries == sum(m.carries for m in separate) > 0  # ahead state travelled with its slot
+    minion.use_slot(0)
+    assert minion._prefix[:len(prompts[0])] == prompts[0]  # the conversation's cache is still there
+    minion.close()
+
+
+def test_a_dropped_slot_frees_its_context_and_starts_fresh(demo_gguf, prompts):
+    minion = _minion(demo_gguf)
+    lib = minion._lib = ContextCount(minion._lib, live=1)
+    budget = GrowBudget(max_nodes=8, max_depth=3, width=2, top_k=3)
+    conversation = minion.grow(prompts[0], budget)
+    for slot, prompt in ((1, prompts[1]), (2, prompts[2])):
+        minion.use_slot(slot)
+        minion.grow(prompt, budget)
+    assert lib.live == 3 and minion.slots_held() == [0, 1, 2]
+    minion.drop_slot(1)
+    assert lib.live == 2 and minion.slots_held() == [0, 2]
+    minion.use_slot(1)  # a new request on the freed slot: a new, empty context
+    assert lib.live == 3 and minion._prefix == [] and minion._tree is None
+    fresh = _minion(demo_gguf).grow(prompts[2], budget)
+    again = minion.grow(prompts[2], budget)
+    assert (again.tokens, again.parents, again.logprobs) == (fresh.tokens, fresh.parents, fresh.logprobs)
+    minion.drop_slot(1)  # the slot in use: emptied, its context kept for the next request
+    assert lib.live == 3 and minion._prefix == [] and minion.slot == 1
+    minion.use_slot(0)
+    assert minion._prefix == prompts[0] and len(minion._tree) >= len(conversation)
+    minion.close()
+    assert lib.live == 0 and minion.slots_held() == [0]
+
+
+def test_slot_bytes_is_what_one_context_allocates(demo_gguf):
+    """The KV part is n_ctx x layers x (keys + values) in f16; fewer tree sequences
+    mean fewer logits rows, so a smaller slot."""
+    import json
+
+    from minions_local.backends.gguf import GGUFMinion
+
+    config = json.loads((DEMO / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv = N_CTX * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    minion = _minion(demo_gguf)
+    assert minion._slot_buffers["KV"] == kv
+    assert minion._slot_buffers["output"] == 256 * config["vocab_size"] * 4  # a logits row per sequence
+    assert minion._slot_buffers["compute"] > 0
+    assert minion.slot_bytes() == sum(minion._slot_buffers.values())
+    narrow = GGUFMinion(demo_gguf, n_ctx=N_CTX, tree_runs=15)
+    assert narrow._slot_buffers["output"] == 16 * config["vocab_size"] * 4
+    assert narrow.slot_bytes() < minion.slot_bytes()
+    minion.close()
+    narrow.close()

@@ -34,6 +34,7 @@ import numpy as np
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.slots import SlotStates
 
 _SPEC_KEYS: dict[str, Callable[[str], Any]] = {
     "name": str, "max_match": int, "min_match": int, "max_occurrences": int, "unknown_mass": float,
@@ -132,8 +133,9 @@ class _TrieNode:
     children: dict[int, "_TrieNode"] = field(default_factory=dict)
 
 
-class NGramMinion:
-    """Prompt-lookup minion. Keyword arguments:
+class NGramMinion(SlotStates):
+    """Prompt-lookup minion; each request (slot) indexes its own context, the corpus
+    is shared. Keyword arguments:
 
     max_match / min_match: suffix lengths tried, longest first.
     max_occurrences: earlier occurrences used per suffix length (most recent first).
@@ -143,6 +145,8 @@ class NGramMinion:
     corpus: token ids of a local corpus searched after the conversation.
     corpus_weight: multiplier for votes from the corpus (the conversation is more telling).
     """
+
+    SLOT_FIELDS = ("_context",)
 
     def __init__(self, *, name: str = "ngram", max_match: int = 8, min_match: int = 1, max_occurrences: int = 8,
                  unknown_mass: float = 2.5, recency: float = 0.9, corpus: Sequence[int] | None = None,
@@ -160,7 +164,7 @@ class NGramMinion:
         self.unknown_mass = unknown_mass
         self.recency = recency
         self.corpus_weight = corpus_weight
-        self._context = ContextIndex(max_match)
+        self._context = ContextIndex(max_match)  # the slot in use's (core/slots.py)
         self._corpus = CorpusIndex(corpus, max_match) if corpus is not None and len(corpus) else None
 
     @classmethod
@@ -219,6 +223,9 @@ class NGramMinion:
 
     def reset(self) -> None:
         self._context = ContextIndex(self.max_match)
+
+    def fresh_slot_state(self) -> dict[str, Any]:
+        return super().fresh_slot_state() | {"_context": ContextIndex(self.max_match)}
 
     def _vote(self, context: list[int], depth: int) -> _TrieNode:
         """A trie of the continuations of earlier occurrences, each weighted by the

@@ -174,3 +174,30 @@ def test_engine_greedy_identity_with_ngram(families):
         steps += out.steps
     # Greedy tiny random models fall into loops, which is exactly what prompt lookup catches.
     assert sum(s.minion_accepted.get("ngram", 0) for s in steps) > 0
+
+
+def test_each_request_slot_keeps_its_own_index_and_shares_the_corpus():
+    """Interleaved requests grow what they grow alone, and coming back to a slot finds
+    its index where it was left: nothing re-indexed (a shared index would hold the
+    last request's tokens). A dropped slot starts empty."""
+    from tests.helpers.slots import Request, alone, interleaved
+
+    corpus = [40, 41, 42, 43, 44] * 3
+    rng = random.Random(3)
+    prompts = [[rng.randrange(30) for _ in range(60)] + [40, 41] for _ in range(3)]
+    budget = GrowBudget(max_nodes=12, max_depth=6, top_k=3)
+    requests = {slot: Request(prompt, steps=5, budget=budget) for slot, prompt in enumerate(prompts)}
+    expected = {slot: alone(lambda: NGramMinion(corpus=corpus), r) for slot, r in requests.items()}
+    minion = NGramMinion(corpus=corpus)
+    assert interleaved(minion, requests) == expected
+    assert any(len(tree[0]) > 0 for trees in expected.values() for tree in trees)
+    indexed = {}
+    for slot in (2, 0, 1):
+        minion.use_slot(slot)
+        indexed[slot] = minion._context.tokens
+        assert indexed[slot][:len(prompts[slot])] == prompts[slot]
+    minion.drop_slot(2)
+    minion.use_slot(2)
+    assert minion._context.tokens == [] and minion.slots_held() == [0, 1, 2]
+    minion.use_slot(0)
+    assert minion._context.tokens == indexed[0]

@@ -60,10 +60,23 @@ class FeatureRunner(CompactModel):
 
     exact = False
 
+    SLOT_FIELDS = ("real",)
+
     def __init__(self, model, fc: torch.Tensor) -> None:
         CachedModel.__init__(self, model)
         self.decoder = FeatureDecoder(model, fc, exact=False)
         self.cache = None
+        self.real = 0
+        """Cache entries made from the target's real features (the rest: from zeros,
+        e.g. the load-time timing on a made-up context); only these are reused. Per
+        request, like the cache it describes."""
+
+    def fresh_slot_state(self) -> dict:
+        return super().fresh_slot_state() | {"real": 0}
+
+    def reset(self) -> None:
+        super().reset()
+        self.real = 0
 
     def run(self, tokens: list[int], features: torch.Tensor, anc: np.ndarray, depths: list[int],
             base_pos: int, *, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,15 +109,11 @@ class FeatureMinion(HFMinion):
         self.vocab_size = runner.vocab_size
         self.target = target
         target.keep_hidden = True  # from now on, every pass keeps its features
-        self._real = 0
-        """Cache entries made from the target's real features (the rest: from zeros,
-        e.g. the load-time timing on a made-up context); only these are reused."""
+        # Each grow's tree nodes' guessed features, rebuilt from its root: nothing here
+        # outlives a grow, so requests need no copy of their own (their caches and real
+        # counts are per slot, in the runner).
         self._node_features: dict[int, torch.Tensor] = {}
         self._zero = torch.zeros(runner.decoder.embed.shape[1], dtype=runner.dtype, device=runner.device)
-
-    def reset(self) -> None:
-        self.runner.reset()
-        self._real = 0
 
     def prefill(self, context: list[int]) -> None:
         """Nothing yet: the features come from the target's prefill, which may be
@@ -117,8 +126,8 @@ class FeatureMinion(HFMinion):
         runner = self.runner
         real = self.target.features_of(context[:-1])
         keep = common_prefix_len(runner.cached, inputs)
-        if len(real) > self._real:  # real features arrived for entries made from zeros: redo those
-            keep = min(keep, self._real)
+        if len(real) > runner.real:  # real features arrived for entries made from zeros: redo those
+            keep = min(keep, runner.real)
         keep = min(keep, len(inputs) - 1)  # the root is always run: its output starts the tree
         runner.truncate(keep)
         features = real[keep:len(inputs)]
@@ -126,7 +135,7 @@ class FeatureMinion(HFMinion):
             missing = len(inputs) - keep - features.shape[0]
             features = torch.cat([features.to(self._zero.dtype), self._zero.expand(missing, -1)])
         logits, root_feature = runner.extend_with(inputs[keep:], features)
-        self._real = min(len(inputs), len(real))
+        runner.real = min(len(inputs), len(real))
         self._node_features = {-1: root_feature}
         return logits, len(inputs) - 1
 

@@ -49,6 +49,14 @@ class HFMinion:
     def reset(self) -> None:
         self.runner.reset()
 
+    def use_slot(self, slot: int) -> None:
+        """Make `slot`'s cache the one grow() extends: each request keeps its own cache
+        in the runner (core/slots.py); the tree itself is rebuilt every grow."""
+        self.runner.use_slot(slot)
+
+    def drop_slot(self, slot: int) -> None:
+        self.runner.drop_slot(slot)
+
     def prefill(self, context: list[int]) -> None:
         """Run everything but the root, which grow() runs with the tree."""
         self.runner.extend(self.runner.sync(context[:-1]))

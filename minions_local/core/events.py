@@ -53,6 +53,13 @@ class StepRecord:
     ahead_nodes: int = 0
     """Nodes the minions grew ahead while the target verified (a head start for the
     next step's tree when its bonus token lands on one of them)."""
+    grow_depth: int | None = None
+    """How deep the step's budget let the minions grow (None: not recorded)."""
+    batch_size: int = 1
+    """Requests whose trees shared this target pass (continuous batching)."""
+    pass_rows: int = 0
+    """Rows the target's pass ran: every sharing request's tree, roots included
+    (0: not recorded; one request's pass runs tree_size + 1)."""
     tree: "TreeSnapshot | None" = None
     """The verified tree, for display (kept small: tokens, parents, owners, accepted path)."""
 

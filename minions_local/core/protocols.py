@@ -154,14 +154,11 @@ class Minion(Protocol):
         """Forget all cached state."""
         ...
 
-    def use_slot(self, slot: int) -> None:
-        """Make `slot`'s state (one request's caches, tables, grown tree; 0: the
-        engine's conversation) the one prefill/grow/commit/reset act on."""
-        ...
-
-    def drop_slot(self, slot: int) -> None:
-        """Free a finished request's state."""
-        ...
+    # Optional (not part of the runtime check): `use_slot(slot)` makes `slot`'s state (one
+    # request's caches, tables, grown tree; 0: the engine's conversation) the one that
+    # prefill/grow/commit/reset act on, and `drop_slot(slot)` frees a finished
+    # request's. Every minion here has them (core/slots.py); one without them still
+    # serves several requests, re-reading a context after each switch.
 
 
 @dataclass(slots=True)

@@ -10,12 +10,12 @@ only runs its new tokens.
 from __future__ import annotations
 
 import gc
-import random
+import sys
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -23,16 +23,17 @@ from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
-from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, StepEvent, TokenEvent
+from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
 from minions_local.engine.loading import context_limit, load_minion, load_target, unique_names
-from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.calibration import calibrate_policy
-from minions_local.speculation.decode import Decoder, snapshot
+from minions_local.speculation.decode import Decoder, StepResult, snapshot
 from minions_local.engine import request
-from minions_local.engine.text import IncrementalText, find_stop, render_chat
+from minions_local.engine.reply import PreparedRequest, Reply, request_generator
+from minions_local.engine.text import render_chat
 
 Messages = Sequence[dict[str, str]]
+T = TypeVar("T")
 
 
 class Engine:
@@ -189,13 +190,15 @@ class Engine:
     def stream_chat(self, messages: Messages, **kwargs: Any) -> Iterator[Event]:
         """Like `stream`, for a list of {"role", "content"} messages. The prompt uses the
         tokenizer's chat template when it has one; earlier turns are not re-run."""
+        return self.stream(self._chat_ids(messages), **kwargs)
+
+    def _chat_ids(self, messages: Messages) -> list[int]:
         if self.tokenizer is None:
             raise MinionsError("chat needs a tokenizer, and the target folder has none.")
         checked = request.chat_messages(messages)
         text = _render(self.tokenizer, checked)
         templated = bool(getattr(self.tokenizer, "chat_template", None))
-        ids = self.tokenizer.encode(text, add_special_tokens=not templated)
-        return self.stream(ids, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=not templated)
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -215,6 +218,18 @@ class Engine:
         a bad one (or a context overflow) raises RequestError / ContextOverflowError
         naming it, its value and what is allowed.
         """
+        prepared = self.prepare(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, stop=stop)
+        holder = _Holder()
+        events = self._run(prepared, holder)
+        holder.stream = weakref.ref(events)
+        return events
+
+    def prepare(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = 256, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                stop: str | Sequence[str] | None = None) -> PreparedRequest:
+        """Check a request's arguments (see `stream`) without running anything: what
+        `stream` decodes, and what a batch (`stream_batch`, the server) queues."""
         params = request.sampling_params(temperature, top_p, top_k)
         max_new = request.max_new_tokens_arg(max_new_tokens)
         seed = request.seed_arg(seed)
@@ -230,10 +245,104 @@ class Engine:
                 f"The prompt is {len(ids)} tokens, which leaves {max(room, 0)} of the target's context window of "
                 f"{self.context_length} tokens for {asked}. Shorten the prompt, lower max_new_tokens (/max in "
                 f"the chat), or start a new conversation (/new).")
-        holder = _Holder()
-        events = self._run(ids, params, max_new, seed, stops, holder)
-        holder.stream = weakref.ref(events)
-        return events
+        return PreparedRequest(ids, params, max_new, seed, stops)
+
+    def prepare_chat(self, messages: Messages, **kwargs: Any) -> PreparedRequest:
+        """`prepare` for a conversation (see `stream_chat`)."""
+        return self.prepare(self._chat_ids(messages), **kwargs)
+
+    # --- many requests at once (continuous batching) -----------------------------------
+
+    def stream_batch(self, prompts: Sequence[str | Sequence[int]], *, parallel: int | None = None,
+                     progress: bool | None = None, **kwargs: Any) -> Iterator[tuple[int, Event]]:
+        """Decode many prompts together: up to `parallel` at a time share every target
+        pass (their trees verified in one pass, a streamed target's reads paid once),
+        and the rest join in order as others finish. Yields (prompt index, event): each
+        prompt's events are those `stream` gives, in order, ending with its DoneEvent;
+        different prompts' events interleave.
+
+        Each reply is what its prompt gives alone: greedy replies are the same tokens,
+        sampled ones follow the target's law, a seeded one repeats. The engine's
+        conversation cache (slot 0) is left as it was.
+
+        kwargs: as for `stream`, the same for every prompt; every prompt is checked
+            before any work (an error names the prompt's index).
+        parallel: requests decoding at once (default: `default_parallel()`).
+        progress: a progress bar on stderr (default: for more than 4 prompts when stderr
+            is a terminal).
+        """
+        prepared = [self._for_request(i, lambda p=p: self.prepare(p, **kwargs)) for i, p in enumerate(prompts)]
+        return self._run_batch(prepared, parallel, progress)
+
+    def stream_chat_batch(self, conversations: Sequence[Messages], *, parallel: int | None = None,
+                          progress: bool | None = None, **kwargs: Any) -> Iterator[tuple[int, Event]]:
+        """`stream_batch` for conversations (each a list of {"role", "content"})."""
+        prepared = [self._for_request(i, lambda c=c: self.prepare_chat(c, **kwargs))
+                    for i, c in enumerate(conversations)]
+        return self._run_batch(prepared, parallel, progress)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[Generation]:
+        """Every prompt's Generation, in input order (see `stream_batch`): the offline
+        batch job, e.g. summarising a folder of documents with a model that does not fit."""
+        return _collect(self.stream_batch(prompts, **kwargs), len(prompts))
+
+    def chat_batch(self, conversations: Sequence[Messages], **kwargs: Any) -> list[Generation]:
+        """Every conversation's reply, in input order (see `stream_batch`)."""
+        return _collect(self.stream_chat_batch(conversations, **kwargs), len(conversations))
+
+    def default_parallel(self) -> int:
+        """Requests a batch runs at once by default: what memory allows for their caches
+        (engine/memory.py), at most 8 on a CPU and 16 on a GPU."""
+        from minions_local.engine.memory import slots_that_fit
+
+        cap = 8 if self.decoder.target.device.type == "cpu" else 16
+        return max(1, min(cap, slots_that_fit(self)))
+
+    @staticmethod
+    def _for_request(index: int, work: Callable[[], T]) -> T:
+        """Run one request's checks; an error names the request's index."""
+        try:
+            return work()
+        except MinionsError as err:
+            err.args = (f"Request {index}: {err}", *err.args[1:])
+            raise
+
+    def _run_batch(self, prepared: list[PreparedRequest], parallel: int | None,
+                   progress: bool | None) -> Iterator[tuple[int, Event]]:
+        from minions_local.engine.batch import BatchRun, BatchProgress
+
+        parallel = request.parallel_arg(parallel) if parallel is not None else self.default_parallel()
+        show = progress if progress is not None else len(prepared) > 4 and sys.stderr.isatty()
+
+        def run() -> Iterator[tuple[int, Event]]:
+            self._acquire("start a batch")
+            run = BatchRun(self, min(parallel, max(1, len(prepared))))
+            bar = BatchProgress(len(prepared)) if show else None
+            try:
+                self._cancel.clear()
+                waiting = list(enumerate(prepared))
+                while waiting or run.running:
+                    while waiting and run.has_room:
+                        index, req = waiting.pop(0)
+                        run.admit(req, index)
+                    if self._cancel.is_set():
+                        for req in run.running:
+                            run.cancel(req)
+                        for index, req in waiting:  # never started: an empty, cancelled reply each
+                            for event in Reply(req, self.tokenizer, self.eos_ids).close("cancelled"):
+                                yield index, event
+                        waiting = []
+                    for req, event in run.step():
+                        if bar is not None:
+                            bar.update(event)
+                        yield req.tag, event
+            finally:
+                run.close()
+                if bar is not None:
+                    bar.close()
+                self._busy.release()
+
+        return run()
 
     def _start_token(self) -> int | None:
         """What an empty prompt starts from: the BOS token (id 0 is a token like any other)."""
@@ -271,65 +380,41 @@ class Engine:
         return (f"Cannot {doing}: a generation is running on this engine{where}. Wait for it to end, or call "
                 f"engine.cancel() to stop it after its current target pass.")
 
-    def _run(self, ids: list[int], params: SamplingParams, max_new: int, seed: int | None,
-             stops: list[str], holder: _Holder) -> Iterator[Event]:
+    def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
         self._acquire("start a generation")
         try:
             holder.thread = threading.current_thread().name
             self._holder = holder
             self._cancel.clear()
-            generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
-            context = list(ids)
+            reply = Reply(prepared, self.tokenizer, self.eos_ids)
+            generator = request_generator(prepared.seed)
             t0 = time.perf_counter()
-            self._guarded(lambda: self.decoder.prefill(context))
-            prefill = time.perf_counter() - t0
-            text = IncrementalText(self.tokenizer)
-            out = _Output(stops)
-            steps = []
-            finish = "length"
-            while len(out.ids) < max_new:
+            self._guarded(lambda: self.decoder.prefill(reply.context))
+            reply.prefill_seconds = time.perf_counter() - t0
+            while reply.finish is None:
                 if self._cancel.is_set():
-                    finish = "cancelled"
+                    reply.finish = "cancelled"
                     break
-                result = self._guarded(lambda: self.decoder.step(context, params, generator, max_new - len(out.ids),
-                                                                  reproducible=seed is not None))
-                new = result.tokens
-                eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-                if eos_at is not None:
-                    new, finish = new[: eos_at + 1], "stop"
-                context.extend(new)
-                text.push(new)
-                delta, hit_stop = out.add(new, text.text)
-                if hit_stop:
-                    finish = "stop"
-                    # A stop string: the tokens after the one completing it are not kept.
-                    extra = len(new) - self._tokens_to_stop(out.ids[:len(out.ids) - len(new)], new, stops)
-                    if extra:
-                        del context[-extra:], out.ids[-extra:]
-                        new = new[:-extra]
-                result.record.new_tokens = len(new)
-                if self.decoder.keep_trees:
-                    result.record.tree = snapshot(result, self.minion_names, self._token_text)
-                steps.append(result.record)
-                yield TokenEvent(new, delta)
-                yield StepEvent(result.record)
-                if finish == "stop":
-                    break
-            if finish == "stop":
+                result = self._guarded(lambda: self.decoder.step(reply.context, prepared.params, generator,
+                                                                  reply.remaining,
+                                                                  reproducible=prepared.seed is not None))
+                self.keep_tree(result)
+                yield from reply.add(result.tokens, result.record)
+            if reply.stopped_early:
                 # A step may have accepted tokens past the stop. Autoregressive decoding
                 # would hold none of them, and the next request prefills them afresh:
                 # the cache must be the same whichever way the reply was decoded.
-                self._guarded(lambda: self.decoder.target.forget_beyond(context))
-            else:
-                text.flush()
-                tail, _ = out.add([], text.text, final=True)
-                if tail:
-                    yield TokenEvent([], tail)
-            yield DoneEvent(Generation(token_ids=out.ids, text=out.text, steps=steps, finish_reason=finish,
-                                       prompt_tokens=len(ids), prefill_seconds=prefill))
+                self._guarded(lambda: self.decoder.target.forget_beyond(reply.context))
+            yield from reply.close()
         finally:
             self._holder = None
             self._busy.release()
+
+    def keep_tree(self, result: StepResult) -> None:
+        """Attach a display copy of the verified tree to the step's record (the TUI's
+        tree view), where the decoder keeps trees."""
+        if self.decoder.keep_trees:
+            result.record.tree = snapshot(result, self.minion_names, self._token_text)
 
     def _guarded(self, work: Callable[[], Any]) -> Any:
         """Run model work; if it is interrupted half-way (Ctrl-C, an error), the caches
@@ -339,13 +424,6 @@ class Engine:
         except BaseException:
             self.decoder.reset()
             raise
-
-    def _tokens_to_stop(self, before: list[int], new: list[int], stops: list[str]) -> int:
-        """How many of a step's `new` tokens it took to complete a stop string."""
-        for n in range(1, len(new)):
-            if find_stop(self.tokenizer.decode(before + new[:n]), stops) >= 0:
-                return n
-        return len(new)
 
     def _token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])
@@ -375,44 +453,6 @@ def _render(tokenizer, messages: list[dict[str, Any]]) -> str:
                            argument="messages") from None
 
 
-class _Output:
-    """The reply as it grows: stop strings end it, and text that might be the start of
-    a stop string is held back until it is clear."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.ids: list[int] = []
-        self.text = ""
-        self._stopped = False
-
-    def add(self, ids: list[int], full_text: str, final: bool = False) -> tuple[str, bool]:
-        if self._stopped:
-            return "", True
-        self.ids.extend(ids)
-        cut = find_stop(full_text, self.stops)
-        if cut >= 0:
-            self._stopped = True
-            visible = full_text[:cut]
-        elif final:
-            visible = full_text
-        else:
-            visible = full_text[: len(full_text) - _partial_stop(full_text, self.stops)]
-        delta = visible[len(self.text):] if len(visible) > len(self.text) else ""
-        self.text = max(self.text, visible, key=len)
-        return delta, self._stopped
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
 def _eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
@@ -421,6 +461,17 @@ def _eos_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _collect(events: Iterator[tuple[int, Event]], count: int) -> list[Generation]:
+    results: list[Generation | None] = [None] * count
+    for index, event in events:
+        if isinstance(event, DoneEvent):
+            results[index] = event.generation
+    missing = [i for i, g in enumerate(results) if g is None]
+    if missing:
+        raise GenerationCancelled(f"the batch ended without results for requests {missing}")
+    return results  # type: ignore[return-value]
 
 
 def _drain(events: Iterator[Event]) -> Generation:

@@ -34,3 +34,49 @@ def describe_placement(engine: Engine) -> str:
     lines = [f"{name:<24} {kind}" for name, kind in rows]
     lines += [f"{tier:<24} {n / 2**20:,.1f} MiB" for tier, n in measured_bytes_by_tier(engine).items()]
     return "\n".join(lines)
+
+
+SLOT_SHARE = 0.5
+"""Of the memory free at load, the share a batch's per-request caches may plan for:
+the rest is headroom (activations, a long prompt's chunk, the page cache a streamed
+target reads around)."""
+
+
+def slot_bytes(engine: Engine) -> int:
+    """What one more concurrent request can come to hold: the target's KV cache over the
+    whole context window, plus each minion's per-request state (its own cache)."""
+    target = engine.decoder.target
+    per_token = target.kv_bytes_per_token() if hasattr(target, "kv_bytes_per_token") else 0
+    total = per_token * engine.context_length
+    for m in engine.minions:
+        if hasattr(m, "slot_bytes"):
+            total += m.slot_bytes()
+        elif hasattr(getattr(m, "runner", None), "kv_bytes_per_token"):
+            total += m.runner.kv_bytes_per_token() * engine.context_length
+    return total
+
+
+def slots_that_fit(engine: Engine, free: int | None = None) -> int:
+    """Concurrent requests whose caches fit in SLOT_SHARE of `free` bytes (default: the
+    memory free now on the target's device)."""
+    free = free_bytes(engine.decoder.target.device) if free is None else free
+    need = slot_bytes(engine)
+    return max(1, int(free * SLOT_SHARE // need)) if need else 1
+
+
+def free_bytes(device) -> int:
+    """Memory free on `device` now (a CPU: MemAvailable)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

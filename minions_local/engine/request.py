@@ -79,6 +79,14 @@ def max_new_tokens_arg(value: Any) -> int | None:
     return n
 
 
+def parallel_arg(value: Any) -> int:
+    """Requests a batch decodes at once."""
+    n = _whole(value, "parallel", "1 or more")
+    if n < 1:
+        raise RequestError(f"parallel must be 1 or more, got {n}", argument="parallel")
+    return n
+
+
 def seed_arg(value: Any) -> int | None:
     if value is None:
         return None

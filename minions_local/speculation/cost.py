@@ -146,7 +146,7 @@ class CostModel:
         Depth caps are searched too: a shallower tree needs fewer minion passes, which
         matters when growing is not cheap next to verifying.
         """
-        key = _key(acceptance)
+        key = acceptance_key(acceptance)
         t_verify = [self.t_verify(n) for n in range(max_nodes + 1)]
         # t_grow inlined, for speed: every minion grows the same shape, and the best
         # n-node tree is never deeper than n, so it takes one pass per level.
@@ -199,7 +199,7 @@ class CostModel:
 # -- the acceptance estimate ---------------------------------------------------------------
 
 
-def _key(acceptance: Acceptance) -> tuple[float, ...]:
+def acceptance_key(acceptance: Acceptance) -> tuple[float, ...]:
     """A hashable acceptance vector, rounded to 0.01 (an estimate; keeps the cache hot)."""
     values = (acceptance,) if isinstance(acceptance, (int, float)) else tuple(acceptance)
     if not values:

@@ -29,11 +29,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from statistics import median
 
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
-from minions_local.speculation.cost import SIBLING_DECAY, CostModel, accepted_by_tree_size
+from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
+from minions_local.speculation.row_budget import TreeCurve, split_rows
 
 
 @dataclass
@@ -93,13 +95,66 @@ class CostModelBudget:
             self._idle += 1
             if self._idle >= self.probe_every:
                 self._idle = 0
-                probe = (depth_cap, regime, "probe")
-                if probe not in self._chosen:
-                    self._chosen[probe] = self._best(depth_cap, regime, min_nodes=max(1, self.min_nodes))
-                self._last = self._chosen[probe]
+                self._last = self._probe(depth_cap, regime)
         else:
             self._idle = 0
         return self._last
+
+    def choose_shared(self, requests: Sequence[tuple[int, str]]) -> list[StepBudget]:
+        """Budgets for requests that share one target pass, each given as (remaining
+        tokens, regime): one row budget split between them to maximise the tokens all
+        of them accept per second (row_budget.py). Cached like `choose`: the split only
+        changes when the model is refit or the mix of requests does."""
+        keys = [(max(0, min(self.max_depth, remaining - 1)), regime) for remaining, regime in requests]
+        order = sorted(range(len(keys)), key=lambda i: keys[i])
+        mix = tuple(keys[i] for i in order)
+        if mix not in self._chosen:
+            self._chosen[mix] = self._split(mix)
+        budgets = self._chosen[mix]
+        if not any(b.nodes for b in budgets) and any(cap for cap, _ in mix):
+            self._idle += 1
+            if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see choose)
+                self._idle = 0
+                budgets = [self._probe(cap, regime) if cap else b for (cap, regime), b in zip(mix, budgets)]
+        else:
+            self._idle = 0
+        out: list[StepBudget] = [budgets[0]] * len(keys)
+        for i, budget in zip(order, budgets):
+            out[i] = budget
+        return out
+
+    def _probe(self, depth_cap: int, regime: str) -> StepBudget:
+        key = (depth_cap, regime, "probe")
+        if key not in self._chosen:
+            self._chosen[key] = self._best(depth_cap, regime, min_nodes=max(1, self.min_nodes))
+        return self._chosen[key]
+
+    def _split(self, mix: tuple[tuple[int, str], ...]) -> list[StepBudget]:
+        """Each request's tree family is its lone best tree's depth (a request whose
+        trees do not pay alone gets shallow ones to weigh); the split picks the sizes."""
+        curves, depth_tables = [], []
+        for cap, regime in mix:
+            if cap == 0:
+                curves.append(TreeCurve((0.0,), (0.0,)))
+                depth_tables.append((0,))
+                continue
+            alone = self._chosen.setdefault((cap, regime), self._best(cap, regime))
+            family = alone.depth if alone.nodes else min(cap, 4)
+            gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), self.max_nodes, family, self.top_k,
+                                                  self.decays[regime])
+            expected = self._expected_model(regime)
+            grow = [0.0] + [expected.t_grow(n, depths[n]) for n in range(1, len(gains))]
+            curves.append(TreeCurve(gains, grow))
+            depth_tables.append(depths)
+        nodes = split_rows(curves, self.model.t_verify)
+        t_verify = self.model.t_verify(sum(nodes) + len(nodes) - 1)
+        budgets = []
+        for (cap, _), n, curve, depths in zip(mix, nodes, curves, depth_tables):
+            depth = depths[n] if n else 0
+            budgets.append(StepBudget(nodes=n, depth=depth, width=grow_shape(n, depth)[1] if n else 1,
+                                      depth_cap=cap, predicted_t_verify=t_verify, predicted_t_grow=curve.grow[n],
+                                      grow_overhead=self.model.step_overhead, grow_models=self.model.grow))
+        return budgets
 
     def _best(self, depth_cap: int, regime: str, min_nodes: int | None = None) -> StepBudget:
         rate = self.rates[regime]
@@ -132,7 +187,12 @@ class CostModelBudget:
         self._chosen.clear()
 
     def observe(self, record: StepRecord) -> None:
-        self._steps.append((record, self._last))
+        # The budget the step grew under: a shared step's records say it themselves
+        # (several budgets were chosen before any of them was observed).
+        budget = self._last
+        if record.grow_depth is not None:
+            budget = StepBudget(nodes=record.tree_size, depth=record.grow_depth, width=1)
+        self._steps.append((record, budget))
         predicted = record.predicted_t_grow
         # A grow far dearer than predicted refits at once: waiting for the next regular
         # refit would pay for several more trees the model wrongly thinks are cheap.
@@ -151,7 +211,7 @@ class CostModelBudget:
         if not self._steps:
             return
         grown = [(r, b) for r, b in self._steps if r.tree_size > 0 and b is not None and b.depth > 0]
-        model = self._prior.refined(verify_samples=[(r.tree_size, r.t_verify) for r, _ in self._steps],
+        model = self._prior.refined(verify_samples=[(pass_nodes(r), r.t_verify) for r, _ in self._steps],
                                     grow_samples=grow_samples(grown))
         overheads = [r.t_grow - sum(r.minion_t_grow.values()) for r, _ in grown if r.minion_t_grow]
         if overheads:
@@ -169,6 +229,12 @@ class CostModelBudget:
                                                           self.top_k, self.decays[regime])
         self._stale.clear()
         self._chosen.clear()
+
+
+def pass_nodes(record: StepRecord) -> int:
+    """The draft nodes a pass's time is priced at: a shared pass ran every sharing
+    request's rows (each root counts as a node beyond the first)."""
+    return record.pass_rows - 1 if record.pass_rows else record.tree_size
 
 
 def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[tuple[int, float]]]:

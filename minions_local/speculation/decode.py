@@ -27,7 +27,7 @@ import torch
 
 from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
-from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, Target, common_prefix_len
+from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, SlotTree, Target, common_prefix_len
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept
@@ -72,9 +72,59 @@ class Growth:
         return [p is not None for p in self.proposals]
 
 
+@dataclass
+class StepRequest:
+    """One request's share of a step: where it stands and how it decodes."""
+
+    context: list[int]
+    """Its committed tokens (prompt + reply so far); the last one is the tree's root."""
+    params: SamplingParams
+    generator: torch.Generator | None
+    remaining: int
+    """Tokens it may still commit (>= 1)."""
+    reproducible: bool = False
+    """A seeded request: fixed drafts, so that its tokens depend only on `generator`."""
+    slot: int = 0
+    """Its state in every model (core/slots.py; 0: the engine's conversation)."""
+
+    @property
+    def regime(self) -> str:
+        return "greedy" if self.params.greedy else "seeded" if self.reproducible else "sampled"
+
+
+@dataclass
+class Lane:
+    """What the decoder remembers of one slot between steps."""
+
+    prompt_unread: str | None = None
+    """A long prompt the minions have not read (`prefill`): None, "first step" (the
+    target gives it alone) or "read now" (before the second step)."""
+    minions_saw: list[int] = field(default_factory=list)
+    """The context the minions' caches were last brought to."""
+
+
+@dataclass
+class _Plan:
+    """One request's grown and voted tree, before the shared pass verifies it."""
+
+    request: StepRequest
+    budget: StepBudget
+    growth: Growth
+    weights: list[float]
+    tree: TokenTree
+    alone: bool
+    """The minions have not read the prompt: the target decodes this step alone."""
+    t_grow: float
+
+
 class Decoder:
     """Speculative steps for one target and its minions: the budget policy sizes each
-    step's tree, and a minion selector per regime learns who grows and how each votes."""
+    step's tree, and a minion selector per regime learns who grows and how each votes.
+
+    A step serves one request or several (continuous batching): each request's tree
+    is grown on its own slot of every minion, and the target verifies all the trees
+    in one pass (Target.verify_batch). One request is a step of one, through the
+    same code."""
 
     def __init__(self, target: Target, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
                  keep_trees: bool = True, selection: str = "learned", grow_ahead: bool | str = "auto") -> None:
@@ -89,11 +139,8 @@ class Decoder:
         self._verify_seconds: float | None = None
         """A running average of the target's pass: when ahead-growing must end, where no
         cost model predicts it."""
-        self._prompt_unread: str | None = None
-        """A long prompt the minions have not read (`prefill`): None, "first step" (the
-        target gives it alone) or "read now" (before the second step)."""
-        self._minions_saw: list[int] = []
-        """The context the minions' caches were last brought to."""
+        self.lanes: dict[int, Lane] = {0: Lane()}
+        """Per slot in use: what the decoder remembers of that request."""
         self.selectors: dict[str, MinionSelector] = {}
         """One per regime: which minion pays differs between greedy and sampled decoding
         (the n-gram minion's exact repeats, say, are worth less against sampling)."""
@@ -105,21 +152,24 @@ class Decoder:
     reads it in 1.5 s, the q3_k_m substitute in 2.7 s. Below this, one tree-less step
     costs more than the wait it saves."""
 
-    def prefill(self, context: list[int]) -> None:
-        """Bring every model's cache up to the prompt (reusing what each already has).
+    def prefill(self, context: list[int], slot: int = 0) -> None:
+        """Bring every model's cache for `slot` up to the prompt (reusing what each
+        already has).
 
         On a CPU with a core to spare, the minions read the prompt on it while the
         target does: a prompt's time-to-first-token is then the target's prefill alone.
         Without one, a long prompt's first token comes from the target alone, and the
-        minions read the prompt before the second step (`MINIONS_READ_LATER`).
+        minions read it before the second step (`MINIONS_READ_LATER`).
         """
+        self.use_slot(slot)
+        lane = self.lanes.setdefault(slot, Lane())
         if not self.minions or not _spare_core(self.target):
             self.target.prefill(context)
-            unread = len(context) - common_prefix_len(self._minions_saw, context)
+            unread = len(context) - common_prefix_len(lane.minions_saw, context)
             if unread >= self.MINIONS_READ_LATER:
-                self._prompt_unread = "first step"
+                lane.prompt_unread = "first step"
             else:
-                self._minions_read(context)
+                self._minions_read(lane, context)
             return
         threads = torch.get_num_threads()
 
@@ -127,7 +177,7 @@ class Decoder:
             # OpenMP's thread count is per OS thread: a new thread would start at one
             # per core and oversubscribe the CPU (measured: 0.59x instead of 1.35x).
             torch.set_num_threads(threads)
-            self._minions_read(context)
+            self._minions_read(lane, context)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minion-prefill") as pool:
             minions = pool.submit(minions_read)
@@ -137,11 +187,38 @@ class Decoder:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
 
-    def _minions_read(self, context: list[int]) -> None:
-        self._minions_saw = list(context)
-        self._prompt_unread = None
+    def _minions_read(self, lane: Lane, context: list[int]) -> None:
+        lane.minions_saw = list(context)
+        lane.prompt_unread = None
         for m in self.minions:
             m.prefill(context)
+
+    def use_slot(self, slot: int) -> None:
+        """Point the target and every minion at `slot`'s state."""
+        self.target.use_slot(slot)
+        self._minions_use(slot)
+
+    def _minions_use(self, slot: int) -> None:
+        for m in self.minions:
+            # A minion without slots (a user's own) still works: grow() reuses its cache
+            # for the longest common prefix with whatever context it is given, so each
+            # switch between requests only costs it a re-read.
+            use = getattr(m, "use_slot", None)
+            if use is not None:
+                use(slot)
+
+    def release(self, slot: int) -> None:
+        """Free everything a finished request held (slot 0, the conversation, is
+        emptied rather than freed)."""
+        self.target.drop_slot(slot)
+        for m in self.minions:
+            drop = getattr(m, "drop_slot", None)
+            if drop is not None:
+                drop(slot)
+        if slot:
+            self.lanes.pop(slot, None)
+        else:
+            self.lanes[0] = Lane()
 
     def selector(self, regime: str) -> MinionSelector:
         """The selector that learns which minions pay in `regime` (budget.REGIMES)."""
@@ -149,15 +226,16 @@ class Decoder:
             self.selectors[regime] = MinionSelector.for_mode([m.name for m in self.minions], self.selection)
         return self.selectors[regime]
 
-    def reset(self) -> None:
-        """Drop every cache (after an interrupted step the caches may be half-written)."""
+    def reset(self, slot: int = 0) -> None:
+        """Drop `slot`'s caches (after an interrupted step they may be half-written)."""
+        self.use_slot(slot)
         self.target.reset()
-        self._minions_saw, self._prompt_unread = [], None
+        self.lanes[slot] = Lane()
         for m in self.minions:
             m.reset()
 
     def step(self, context: list[int], params: SamplingParams, generator: torch.Generator | None,
-             remaining: int, *, reproducible: bool = False) -> StepResult:
+             remaining: int, *, reproducible: bool = False, slot: int = 0) -> StepResult:
         """One target pass over a voted tree below context[-1]; `remaining` >= 1 caps
         how many tokens this step may commit.
 
@@ -165,56 +243,126 @@ class Decoder:
         the committed tokens depend only on `generator` (a seeded request repeats
         exactly, whatever the engine has learned); otherwise the minions draw their
         drafts, which the target accepts far more often."""
-        if self._prompt_unread == "read now":  # not timed as growing: the cost model prices trees
-            self._minions_read(context)
-        alone = self._prompt_unread == "first step"
-        if alone:
-            self._prompt_unread = "read now"
+        request = StepRequest(context, params, generator, remaining, reproducible, slot)
+        return self.step_shared([request])[0]
+
+    def step_shared(self, requests: Sequence[StepRequest]) -> list[StepResult]:
+        """One target pass for several requests (each on its own slot): every request's
+        tree is grown and voted in turn, the target verifies them all at once, and each
+        is accepted and committed on its own. Each request's tokens are what it would
+        get in a step of its own with the same tree (the target's rows do not depend
+        on who shares the pass: compact.py forward_parts)."""
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
-        regime = "greedy" if params.greedy else "seeded" if reproducible else "sampled"
-        budget = self.policy.choose(remaining, regime=regime) if self.minions and not alone else StepBudget(0, 0, 1)
+        budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
-        selector = self.selector(regime)
-        weights = selector.weights()
-        draws = params if regime == "sampled" else None
-        growth = self._grow(context, budget, selector, weights, draws, generator)
-        tree = self._vote(context[-1], growth, weights, budget, sampled=draws is not None)
+        plans = [self._plan(r, b) for r, b in zip(requests, budgets)]
+        for plan in plans:
+            plan.t_grow += t_policy / len(plans)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
-        ahead = self._grow_ahead(growth, budget)
+        outcomes = self._verify(plans)
+        t2 = time.perf_counter()
+        self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
+        streamed = self.target.bytes_streamed() - streamed_before
+        rows = sum(len(p.tree) for p in plans)
+        return [self._learn(plan, path, bonus, ahead_nodes, t2 - t1, streamed, rows, len(plans), t_policy)
+                for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
+
+    def _budgets(self, requests: Sequence[StepRequest]) -> list[StepBudget]:
+        """Each request's tree size: the policy's choice for one request; for several,
+        one row budget split between them where the policy can (cost_policy.py)."""
+        chosen: list[StepBudget | None] = [None] * len(requests)
+        asking = []
+        for i, r in enumerate(requests):
+            lane = self.lanes.setdefault(r.slot, Lane())
+            if not self.minions or lane.prompt_unread == "first step":
+                chosen[i] = StepBudget(0, 0, 1)
+            else:
+                asking.append(i)
+        shared = getattr(self.policy, "choose_shared", None)
+        if len(asking) > 1 and shared is not None:
+            picked = shared([(requests[i].remaining, requests[i].regime) for i in asking])
+        else:
+            picked = [self.policy.choose(requests[i].remaining, regime=requests[i].regime) for i in asking]
+        for i, budget in zip(asking, picked):
+            chosen[i] = budget
+        return chosen
+
+    def _plan(self, request: StepRequest, budget: StepBudget) -> _Plan:
+        """Grow and vote one request's tree on its slot of every minion."""
+        start = time.perf_counter()
+        lane = self.lanes.setdefault(request.slot, Lane())
+        self._minions_use(request.slot)
+        if lane.prompt_unread == "read now":  # not timed as growing: the cost model prices trees
+            self._minions_read(lane, request.context)
+            start = time.perf_counter()
+        alone = lane.prompt_unread == "first step"
+        if alone:
+            lane.prompt_unread = "read now"
+        selector = self.selector(request.regime)
+        weights = selector.weights()
+        draws = request.params if request.regime == "sampled" else None
+        growth = self._grow(request.context, budget, selector, weights, draws, request.generator)
+        tree = self._vote(request.context[-1], growth, weights, budget, sampled=draws is not None)
+        return _Plan(request, budget, growth, weights, tree, alone, time.perf_counter() - start)
+
+    def _verify(self, plans: list[_Plan]) -> list[tuple[list[int], int, int]]:
+        """The target's pass over every plan's tree, then each request's acceptance and
+        the target's commit: (accepted path, bonus token, nodes grown ahead) per plan.
+        Only a lone request's minions grow ahead (ahead.py): with several, the pass
+        is shared and so is the core it would take."""
+        ahead = self._grow_ahead(plans[0].growth, plans[0].budget) if len(plans) == 1 else None
         try:
             with core_for_minions(self.target, ahead is not None):
-                logits = self.target.verify(context, tree)
+                if len(plans) == 1:
+                    self.target.use_slot(plans[0].request.slot)
+                    all_logits = [self.target.verify(plans[0].request.context, plans[0].tree)]
+                else:
+                    all_logits = self.target.verify_batch(
+                        [SlotTree(p.request.slot, p.request.context, p.tree) for p in plans])
             if ahead is not None:
                 ahead.close()  # the accept below overlaps the minion pass in flight
-            _check_finite(logits)
-            path, bonus = accept(tree, logits, params, generator, max_accept=remaining - 1)
-            self.target.commit(tree, path)
+            outcomes = []
+            for plan, logits in zip(plans, all_logits):
+                r = plan.request
+                _check_finite(logits)
+                path, bonus = accept(plan.tree, logits, r.params, r.generator, max_accept=r.remaining - 1)
+                self.target.use_slot(r.slot)
+                self.target.commit(plan.tree, path)
+                outcomes.append([path, bonus, 0])
         finally:
             # Never leave a thread writing a minion's cache behind (an error, Ctrl-C).
             ahead_nodes = ahead.finish() if ahead is not None else 0
-        t2 = time.perf_counter()
-        self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
+        outcomes[0][2] = ahead_nodes
+        return [tuple(o) for o in outcomes]
 
+    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, t_verify: float, streamed: int,
+               rows: int, requests: int, t_policy: float) -> StepResult:
+        """Commit one request's tokens to its minions, and learn from its step."""
+        r, tree, growth, budget = plan.request, plan.tree, plan.growth, plan.budget
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
-        if alone:  # the minions have not read the prompt: nothing to commit, nothing to learn
+        selector = self.selector(r.regime)
+        if plan.alone:  # the minions have not read the prompt: nothing to commit, nothing to learn
             contributed = [0] * len(self.minions)
         else:
+            self._minions_use(r.slot)
             for m in self.minions:
                 m.commit(tokens)
-            self._minions_saw = context + tokens
-            contributed = selector.observe(tree, path, growth.proposals, growth.seconds, t2 - t0, len(tokens))
+            self.lanes[r.slot].minions_saw = r.context + tokens
+            # The pass is shared: each request pays its own growing and its share of it.
+            step_seconds = plan.t_grow + t_verify / requests
+            contributed = selector.observe(tree, path, growth.proposals, growth.seconds, step_seconds, len(tokens))
         grown = self._of_those_that_ran(growth, growth.allowed)
         record = StepRecord(
-            tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=t1 - t0, t_verify=t2 - t1,
-            bytes_streamed=self.target.bytes_streamed() - streamed_before, depth=tree.depth,
-            new_tokens=len(tokens),
+            tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=plan.t_grow, t_verify=t_verify,
+            bytes_streamed=streamed, depth=tree.depth, new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
-            minion_weights=self._of_those_that_ran(growth, weights),
+            minion_weights=self._of_those_that_ran(growth, plan.weights),
             minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
             predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
-            predicted_t_grow=budget.predicted_grow_for(grown), regime=regime, t_policy=t_policy,
-            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= remaining - 1), ahead_nodes=ahead_nodes,
+            predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=t_policy,
+            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= r.remaining - 1), ahead_nodes=ahead_nodes,
+            grow_depth=budget.depth, batch_size=requests, pass_rows=rows,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)

@@ -257,7 +257,7 @@ def test_a_sampled_grow_draws_its_children_and_its_shape_ignores_the_draws(check
 def test_engine_samples_the_targets_law_with_drawn_gguf_drafts(tmp_path, bpe_tokenizer, monkeypatch):
     """A llama.cpp minion drawing its drafts: the first two tokens still follow the
     target's law (chi-square), and drafts are often accepted."""
-    import minions_local.engine.engine as engine_module
+    import minions_local.engine.reply as engine_module
     from minions_local import Engine
     from minions_local.core.sampling import SamplingParams, processed_probs
     from tests.helpers.stats import chi2_pvalue, first_two_tokens

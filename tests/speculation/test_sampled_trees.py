@@ -154,7 +154,7 @@ def two_minion_family(tmp_path_factory):
 def test_engine_sampled_drafts_law_of_first_tokens(two_minion_family, monkeypatch):
     """Two real HF minions drawing their trees (duplicates across them are common
     with 12 tokens) plus the n-gram minion: the first two tokens follow the target."""
-    import minions_local.engine.engine as engine_module
+    import minions_local.engine.reply as engine_module
 
     # Unseeded requests draw their drafts; their randomness comes from here (made
     # repeatable for the test without turning them into seeded requests).

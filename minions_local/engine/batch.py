@@ -1,0 +1,179 @@
+"""Continuous batching: several requests decode together, sharing every target pass.
+
+A streamed target's pass costs its reads, nearly whatever rows it runs, so k requests
+whose trees share a pass pay about what one pays alone (speculation/decode.py
+`step_shared`, backends/compact.py `forward_parts`). Requests join and leave between
+passes. Each holds a slot (core/slots.py): its own KV cache in the target and its own
+caches in every minion, so its reply is exactly what it would be alone.
+
+Slots 1..n belong to batches; slot 0 stays the engine's conversation, which a batch
+never touches. A finished request's slot keeps its caches: the next request takes the
+free slot whose cache shares the longest prefix with its prompt, so a conversation's
+next turn through the server reads only its new tokens.
+
+The caller owns the engine while a BatchRun runs (Engine.stream_batch holds its lock;
+the server's scheduler is its only user).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minions_local.core.events import DoneEvent, Event, TokenEvent
+from minions_local.core.protocols import common_prefix_len
+from minions_local.engine.reply import PreparedRequest, Reply, request_generator
+from minions_local.speculation.decode import StepRequest
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One request in a batch: its reply, its slot and its timings."""
+
+    tag: Any
+    """The caller's name for it (an index, a job)."""
+    prepared: PreparedRequest
+    reply: Reply
+    generator: torch.Generator
+    slot: int = 0
+    joined_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False
+    prefilled: bool = False
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.joined_at
+
+
+class SlotPool:
+    """Slots 1..n for batch requests. A free slot keeps what its last request left in
+    the caches; a new request takes the free slot that shares the longest prefix with
+    its prompt."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a batch needs at least one slot, got {slots}")
+        self.free: dict[int, list[int]] = {slot: [] for slot in range(1, slots + 1)}
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def take(self, prompt: list[int]) -> int:
+        slot = max(self.free, key=lambda s: (common_prefix_len(self.free[s], prompt), -s))
+        del self.free[slot]
+        return slot
+
+    def give_back(self, slot: int, context: list[int]) -> None:
+        """`context`: what the slot's caches now hold (empty after a failure)."""
+        self.free[slot] = list(context)
+
+
+class BatchRun:
+    """Requests decoding together on one engine, one shared target pass per `step`."""
+
+    def __init__(self, engine, parallel: int) -> None:
+        self.engine = engine
+        self.decoder = engine.decoder
+        self.parallel = parallel
+        self.pool = SlotPool(parallel)
+        self.running: list[BatchRequest] = []
+        self.passes = 0
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.running) < self.parallel
+
+    def admit(self, prepared: PreparedRequest, tag: Any = None) -> BatchRequest:
+        """Queue a checked request to join at the next step (its prompt is read then)."""
+        if not self.has_room:
+            raise RuntimeError("the batch is full: admit only while has_room")
+        req = BatchRequest(tag, prepared, Reply(prepared, self.engine.tokenizer, self.engine.eos_ids),
+                           request_generator(prepared.seed))
+        req.slot = self.pool.take(prepared.ids)
+        self.running.append(req)
+        return req
+
+    def cancel(self, req: BatchRequest) -> None:
+        """End `req` at the next step boundary (its DoneEvent says "cancelled")."""
+        req.cancelled = True
+
+    def step(self) -> list[tuple[BatchRequest, Event]]:
+        """Read newcomers' prompts, run one shared pass for every running request, and
+        return each request's events in order; finished requests leave the batch.
+        On an error every running request's caches may be half-written: they are
+        dropped, the requests leave, and the error propagates (each caller fails its
+        requests; nothing else is lost)."""
+        events: list[tuple[BatchRequest, Event]] = []
+        for req in [r for r in self.running if r.cancelled]:
+            events += self._finish(req, "cancelled")
+        try:
+            for req in self.running:
+                if not req.prefilled:
+                    start = time.perf_counter()
+                    self.decoder.prefill(req.reply.context, req.slot)
+                    req.reply.prefill_seconds = time.perf_counter() - start
+                    req.prefilled = True
+            if not self.running:
+                return events
+            steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
+                                 r.prepared.seed is not None, r.slot) for r in self.running]
+            results = self.decoder.step_shared(steps)
+        except BaseException:
+            for req in self.running:
+                self.decoder.release(req.slot)
+                self.pool.give_back(req.slot, [])
+            self.running = []
+            raise
+        self.passes += 1
+        now = time.perf_counter()
+        for req, result in zip(list(self.running), results):
+            self.engine.keep_tree(result)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            events += [(req, e) for e in req.reply.add(result.tokens, result.record)]
+            if req.reply.finish is not None:
+                events += self._finish(req)
+        return events
+
+    def _finish(self, req: BatchRequest, finish: str | None = None) -> list[tuple[BatchRequest, Event]]:
+        self.running.remove(req)
+        if req.reply.stopped_early:  # the caches keep nothing past the reply's end (see Engine._run)
+            self.decoder.use_slot(req.slot)
+            self.decoder.target.forget_beyond(req.reply.context)
+        self.pool.give_back(req.slot, req.reply.context[:-1] if req.prefilled else [])
+        return [(req, e) for e in req.reply.close(finish)]
+
+    def close(self) -> None:
+        """Free every slot's caches (the batch job is over)."""
+        for req in self.running:
+            req.cancelled = True
+        for slot in range(1, self.parallel + 1):
+            self.decoder.release(slot)
+        self.running = []
+
+
+class BatchProgress:
+    """A progress bar on stderr for a long batch job: requests done, tokens, tok/s."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="req", desc="batch", file=sys.stderr, dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def update(self, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens += len(event.token_ids)
+        elif isinstance(event, DoneEvent):
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:.1f} tok/s", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

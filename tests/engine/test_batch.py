@@ -1,0 +1,128 @@
+"""Continuous batching through the engine: many requests share every target pass, and
+each reply is what its request gives alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minions_local import Engine
+from minions_local.core.errors import RequestError
+from minions_local.core.events import DoneEvent, StepEvent, TokenEvent
+from minions_local.core.sampling import SamplingParams, processed_probs
+from tests.engine.test_greedy_identity import random_prompts
+from tests.helpers.stats import chi2_pvalue
+from tests.helpers.tiny_models import hf_greedy
+
+
+def _engine(fam, dtype="float32", **kw):
+    kw.setdefault("budget", 12)
+    kw.setdefault("max_depth", 6)
+    return Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_batch_replies_equal_replies_alone(families, dtype):
+    fam = families["llama"]
+    engine = _engine(fam, dtype)
+    prompts = random_prompts(7, 96, seed=5)
+    alone = []
+    for p in prompts:
+        engine.reset()
+        alone.append(engine.generate(p, max_new_tokens=30).token_ids)
+    batch = engine.generate_batch(prompts, max_new_tokens=30, parallel=4)
+    assert [g.token_ids for g in batch] == alone
+    shared = [s.batch_size for g in batch for s in g.steps]
+    assert max(shared) == 4 and sum(s > 1 for s in shared) > len(shared) / 2  # passes really were shared
+    if dtype == "float32":  # and they are the target's own greedy replies
+        target = AutoModelForCausalLM.from_pretrained(fam["target"]).eval()
+        assert alone == [hf_greedy(target, p, 30) for p in prompts]
+
+
+def test_seeded_batch_replies_repeat_alone(families):
+    fam = families["qwen2"]
+    engine = _engine(fam)
+    prompts = random_prompts(5, 96, seed=9)
+    kw = dict(max_new_tokens=20, temperature=0.9, top_k=20, seed=1234)
+    alone = [engine.generate(p, **kw).token_ids for p in prompts]
+    assert [g.token_ids for g in engine.generate_batch(prompts, parallel=3, **kw)] == alone
+
+
+def test_sampled_requests_sharing_passes_follow_the_target(families):
+    """Unseeded sampling with drawn drafts, four requests per pass: the first two tokens
+    of every request follow the target's law (chi-square)."""
+    fam = families["llama"]
+    engine = _engine(fam, budget=8, max_depth=3, selection="all")
+    target = AutoModelForCausalLM.from_pretrained(fam["target"]).eval()
+    prompt = [3, 7, 1, 3, 7]
+    sp = SamplingParams(0.8, 1.0, 6)
+    with torch.no_grad():
+        p1 = processed_probs(target(torch.tensor([prompt])).logits[0, -1], sp)
+        p2 = processed_probs(target(torch.tensor([prompt + [x] for x in range(96)])).logits[:, -1], sp)
+    expected = {(a, b): float(p1[a] * p2[a, b]) for a in range(96) for b in range(96) if float(p1[a] * p2[a, b]) > 0}
+    seen, drafted, n = Counter(), 0, 0
+    for _ in range(150):
+        for g in engine.generate_batch([prompt] * 4, max_new_tokens=2, temperature=0.8, top_k=6, parallel=4):
+            assert g.steps[0].regime == "sampled" and g.steps[0].batch_size == 4
+            seen[tuple(g.token_ids)] += 1
+            drafted += g.steps[0].accepted > 0
+            n += 1
+    assert drafted > n / 4  # drafts were really accepted, inside shared passes
+    assert chi2_pvalue(seen, expected, n) > 1e-3
+
+
+def test_events_are_tagged_and_ordered(families):
+    engine = _engine(families["llama"])
+    prompts = random_prompts(3, 96, seed=2)
+    texts, done = {}, {}
+    last = {}
+    for index, event in engine.stream_batch(prompts, max_new_tokens=12, parallel=2):
+        assert index not in done, "an event after the request's DoneEvent"
+        if isinstance(event, TokenEvent):
+            texts[index] = texts.get(index, "") + event.text
+            last[index] = "token"
+        elif isinstance(event, StepEvent):
+            assert last.get(index) == "token"
+            last[index] = "step"
+        elif isinstance(event, DoneEvent):
+            done[index] = event.generation
+    assert sorted(done) == [0, 1, 2]
+    for i, g in done.items():
+        assert texts.get(i, "") == g.text and len(g.token_ids) == 12 and g.finish_reason == "length"
+
+
+def test_the_conversation_slot_is_left_alone(families):
+    engine = _engine(families["llama"])
+    first = engine.chat([{"role": "user", "content": "hello there"}], max_new_tokens=8)
+    cached = list(engine.decoder.target.cached) if engine.decoder.target.slot == 0 else None
+    engine.generate_batch(random_prompts(3, 96, seed=4), max_new_tokens=6)
+    engine.decoder.target.use_slot(0)
+    assert cached is None or engine.decoder.target.cached == cached
+    turn = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "and again"}]
+    second = engine.chat(turn, max_new_tokens=8)
+    assert second.prefill_seconds >= 0 and len(second.token_ids) == 8
+
+
+def test_a_bad_request_is_named_before_any_work(families):
+    engine = _engine(families["llama"])
+    with pytest.raises(RequestError, match="Request 1: "):
+        engine.generate_batch([[5, 6], [5, 10_000], [7]], max_new_tokens=4)
+    with pytest.raises(RequestError, match="parallel"):
+        engine.generate_batch([[5, 6]], max_new_tokens=4, parallel=0)
+    assert engine.generate_batch([[5, 6]], max_new_tokens=3)[0].token_ids  # the engine is free again
+
+
+def test_cancel_ends_every_request(families):
+    engine = _engine(families["llama"])
+    finishes = {}
+    for index, event in engine.stream_batch(random_prompts(5, 96, seed=3), max_new_tokens=40, parallel=2):
+        if isinstance(event, StepEvent) and index == 0:
+            engine.cancel()
+        if isinstance(event, DoneEvent):
+            finishes[index] = event.generation.finish_reason
+    assert sorted(finishes) == list(range(5)) and finishes[4] == "cancelled"
+    assert engine.generate([5, 6], max_new_tokens=3).token_ids

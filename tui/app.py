@@ -116,6 +116,8 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
         self.generating = False
         self._reply: AssistantMessage | None = None
         self._question: UserMessage | None = None
+        self._waiting: UserMessage | None = None
+        """A question sent while the model loads; it goes to the engine once that is ready."""
         self._generation: Worker | None = None
         self._loading: LoadingPanel | None = None
         self._load_failed = False
@@ -237,10 +239,18 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
             Text(""),
             Text("Ready. Type a message and press Enter; /help lists commands.", style="italic"),
         )
-        await self._say(Note(plan, title=f"memory plan · {self.profile}", kind="plan"))
+        note = Note(plan, title=f"memory plan · {self.profile}", kind="plan")
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            await self._say(note)
+            return
+        await self.chat_log.mount(note, before=waiting)  # the plan, then the question that waited for it
+        waiting.mark_sent()
+        await self._send(waiting.text, question=waiting)
 
     async def on_engine_failed(self, message: EngineFailed) -> None:
         self._load_failed = True
+        self._take_back_waiting()
         if self._loading is not None:
             await self._loading.remove()
             self._loading = None
@@ -269,19 +279,47 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
             self.notify("A reply is still streaming: Esc stops it.", severity="warning")
             return
         if self.engine is None:
-            self.prompt.text = text
             if self._load_failed:
+                self.prompt.text = text
                 self.notify("No model is loaded: /profile NAME loads another profile.", severity="error")
+            elif self._waiting is not None:
+                self.prompt.text = text
+                self.notify("A message already waits for the model to load; this one stays in the box.",
+                            severity="warning")
             else:
-                self.notify("The model is still loading; your message is kept in the box.", severity="warning")
+                await self._hold(text)
             return
         await self._send(text)
 
-    async def _send(self, text: str) -> None:
+    async def _hold(self, text: str) -> None:
+        """Show a question typed while the model loads, marked as waiting; `on_engine_ready`
+        sends it. The real model loads for ~10 s after the screen is drawn, and a first
+        question kept in the box with a passing toast looked like a chat that ignored it."""
+        self._waiting = UserMessage(text, waiting=True)
+        await self._say(self._waiting)
+        self.chat_log.anchor()
+        self.refresh_bindings()
+
+    def _take_back_waiting(self) -> None:
+        """The waiting question goes back into the box (Esc, or a load that failed)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            return
+        waiting.remove()
+        if not self.prompt.text:  # never over what is typed; Up still finds it in the history
+            self.prompt.text = waiting.text
+            self.prompt.move_cursor(self.prompt.document.end)
+        self.refresh_bindings()
+
+    async def _send(self, text: str, *, question: UserMessage | None = None) -> None:
+        """Send `text`; `question` is its message already on screen (one that waited for the load)."""
         self.conversation.messages.append({"role": "user", "content": text})
         self._reply = AssistantMessage(label=self.profile, raw=self.options.raw)
-        self._question = UserMessage(text)
-        await self._say(self._question)
+        if question is None:
+            self._question = UserMessage(text)
+            await self._say(self._question)
+        else:
+            self._question = question
         await self._say(self._reply)
         self._reply.footer.update("generating…  Esc stops")
         self.chat_log.anchor()
@@ -398,7 +436,8 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
-            return self.generating
+            # A modal screen keeps its own Esc unless a reply is streaming.
+            return self.generating or (self._waiting is not None and len(self.screen_stack) == 1)
         if action == "scroll_chat":
             return len(self.screen_stack) == 1  # modal screens keep their own paging
         return True

@@ -20,6 +20,9 @@ QUIT_WINDOW = 2.0
 
 class KeyActions:
     def action_stop(self: ChatApp) -> None:
+        if self._waiting is not None:
+            self._take_back_waiting()
+            return
         if self.generating and self._generation is not None:
             self._generation.cancel()
             request_stop(self.engine)

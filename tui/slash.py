@@ -184,7 +184,7 @@ class SlashCommands:
             self.prompt.text = question
             self.prompt.move_cursor(self.prompt.document.end)
         log = self.chat_log
-        keep = [self._loading] if self._loading is not None else []
+        keep = [w for w in (self._loading, self._waiting) if w is not None]  # a waiting question joins this one
         await log.remove_children([w for w in log.children if w not in keep])
         widgets: list[Any] = []
         for message in conversation.messages:

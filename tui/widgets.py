@@ -96,11 +96,24 @@ class PromptInput(TextArea):
 
 
 class UserMessage(Static):
-    """What the user sent, shown as typed (no Markdown surprises)."""
+    """What the user sent, shown as typed (no Markdown surprises).
 
-    def __init__(self, text: str) -> None:
+    `waiting`: typed while the model loads; it shows at once, marked so, and goes to
+    the model when it is ready (`mark_sent`)."""
+
+    WAITING = "waiting for the model to load · Esc takes it back"
+
+    def __init__(self, text: str, *, waiting: bool = False) -> None:
         super().__init__(Text(text), classes="message user")
+        self.text = text
         self.border_title = "you"
+        if waiting:
+            self.add_class("waiting")
+            self.border_subtitle = self.WAITING
+
+    def mark_sent(self) -> None:
+        self.remove_class("waiting")
+        self.border_subtitle = None
 
 
 FENCE = "``````"

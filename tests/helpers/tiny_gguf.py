@@ -1,0 +1,89 @@
+"""Tiny GGUF targets written inside the tests, from a tiny HF model, in chosen block types.
+
+32-weight types (Q4_0, Q4_1, Q5_0, Q8_0) and F16/BF16 are quantized by the `gguf`
+package's own quantizer; it has none for the k-quants, so their tensors are random
+blocks with small scales (the target is whatever its blocks say, which is all an
+equivalence test needs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from minions_local.backends.gguf_export import iter_tensors, read_dims, read_vocab
+
+K_QUANTS = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208])}
+"""Bytes per 256-weight block, and where its float16 scales lie."""
+
+
+def k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random `kind` blocks whose weights stay within about +-0.1, as bytes [rows, row_bytes]."""
+    size, scales = K_QUANTS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for byte in scales:
+        d = rng.uniform(2e-5, 1e-4, size=(raw.shape[0], 1)).astype(np.float16)
+        raw[:, byte : byte + 2] = d.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(src: Path, out: Path, layer_type: str = "Q4_1", *, embedding_type: str = "Q8_0",
+               types: dict[str, str] | None = None, architecture: str | None = None, skip: tuple = (),
+               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0) -> Path:
+    """Write the HF folder `src` as a GGUF at `out`: 2-D layer weights in `layer_type`
+    (or `types[gguf name]`), the embedding (and an untied head) in `embedding_type`,
+    norms in F32. `skip` leaves tensors out, `architecture` overrides the name in the file."""
+    import gguf
+
+    dims = read_dims(src)
+    vocab = read_vocab(src, dims.vocab_size)
+    writer = gguf.GGUFWriter(str(out), architecture or dims.architecture)
+    writer.add_name(src.name)
+    writer.add_context_length(dims.context_length)
+    writer.add_embedding_length(dims.hidden)
+    writer.add_block_count(dims.layers)
+    writer.add_feed_forward_length(dims.intermediate)
+    writer.add_head_count(dims.heads)
+    writer.add_head_count_kv(dims.kv_heads)
+    writer.add_key_length(dims.head_dim)
+    writer.add_value_length(dims.head_dim)
+    writer.add_rope_dimension_count(dims.head_dim)
+    writer.add_rope_freq_base(float(dims.rope_theta))
+    writer.add_layer_norm_rms_eps(float(dims.rms_eps))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre_tokenizer)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    for role, token_id in vocab.special_ids.items():
+        getattr(writer, f"add_{role}_token_id")(token_id)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+    for i, (name, array) in enumerate(iter_tensors(src, dims)):
+        if name in skip:
+            continue
+        kind = (types or {}).get(name)
+        if kind is None:
+            if array.ndim == 1:
+                kind = "F32"
+            elif name in ("token_embd.weight", "output.weight"):
+                kind = embedding_type
+            else:
+                kind = layer_type
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in K_QUANTS:
+            data = k_blocks(kind, *array.shape, seed=seed + i)
+        elif kind == "F32":
+            data = array
+        else:
+            data = gguf.quants.quantize(array, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

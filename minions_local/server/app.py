@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,6 +34,9 @@ log = logging.getLogger("minions_local.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """A prompt filling a 128k-token context is about 0.5 MB of text."""
+DRAIN_BYTES = 64 * 1024 * 1024
+"""How far past the limit an oversized body is still read (and dropped) so that its
+client can read the 413; a bigger one is refused at once, and may see a reset."""
 
 
 @dataclass
@@ -63,17 +66,37 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
                            headers={"WWW-Authenticate": "Bearer"})
 
     async def read_body(request: Request) -> bytes:
+        """The body, up to the limit; above it a 413 that every client gets to read.
+
+        A client that sends its whole body before reading the answer, and asks for the
+        connection to close (urllib sends `Connection: close`), saw a reset instead of
+        the 413: the server closed right after answering with the body still unread,
+        so the kernel sent RST and the client's send failed before it read anything
+        (a 12 MB request). So an oversized body is read to its end and dropped (up to
+        DRAIN_BYTES past the limit) before the answer; only a client that waits for
+        `100 Continue` (curl, for large bodies) is answered at once, before it sends."""
         limit = settings.max_body_bytes
         too_large = ApiError(413, f"The request body is larger than this server's limit of {limit} bytes "
                                   f"(--max-body-bytes).", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
+            if int(declared) > limit + DRAIN_BYTES or "100-continue" in request.headers.get("expect", "").lower():
                 raise too_large
+        body = bytearray()
+        received = 0
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit + DRAIN_BYTES:
+                    raise too_large  # give up on draining: this client may see a reset
+                if received <= limit:
+                    body += chunk
+        except ClientDisconnect:
+            if received > limit:
+                raise too_large from None  # the answer goes nowhere, but no error is logged
+            raise
+        if received > limit:
+            raise too_large
         return bytes(body)
 
     async def models(request: Request) -> Response:

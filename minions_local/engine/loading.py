@@ -68,6 +68,9 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
     streamed as bf16 and computed in float32, on a CPU without bf16 matmul kernels."""
     if tier not in TIERS:
         raise ValueError(f"target_tier must be one of {TIERS}, got {tier!r}")
+    if is_gguf_path(path):
+        return _load_gguf_target(Path(path).expanduser(), dtype=dtype, device=device, tier=tier, progress=progress,
+                                 stream_options=stream_options, compute_dtype=compute_dtype)
     path = check_model_folder(prepare_builtin(path, progress), "target")
     load_config(path, "target")
     total = _folder_bytes(path)
@@ -97,6 +100,36 @@ def load_target(path: str | Path, *, dtype: torch.dtype | None, device: str, tie
                              f"only {target.vocab_size} rows: they do not belong together. Restore the tokenizer "
                              f"files that came with these weights.")
     return target, tokenizer
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A target given as a GGUF file (by its name: a missing one is named by the loader)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tier: str, progress: Progress | None,
+                      stream_options: dict[str, Any], compute_dtype: torch.dtype | str | None) -> tuple[HFTarget, Any]:
+    """A GGUF file as the target: its layers stream as their own blocks and are
+    dequantized into the compute dtype as each runs (offload/gguf_streamed.py); on the
+    device tier they are dequantized once. The weights are the GGUF's, so the compute
+    dtype defaults to float32 (exactly those weights); a 16-bit one rounds them once."""
+    from minions_local.offload.gguf_streamed import load_streamed_gguf
+
+    streamed = streams(tier, device)
+    compute = resolve_compute_dtype(dtype or torch.float32, compute_dtype, device, streamed) or torch.float32
+    options = {k: v for k, v in stream_options.items() if k != "quant" or v not in ("none", "gguf")}
+    if not streamed:
+        options = {k: v for k, v in options.items() if k == "cache_dir"}
+    model, stats = load_streamed_gguf(path, tier=tier if streamed else "device", dtype=compute, device=device,
+                                      progress=progress, **options)
+    if streamed:
+        target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
+        target.stream_stats = stats
+    else:
+        target = exact_target(model)
+    from minions_local.models.gguf_target import side_folder
+
+    return target, load_tokenizer(side_folder(path), "target")
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,

@@ -17,6 +17,7 @@ from torch import nn
 
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
 from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, round_up
+from minions_local.offload.gguf_blocks import dequantize as gguf_dequantize
 from minions_local.offload.quant import dequantize
 
 
@@ -73,16 +74,21 @@ class _Binding:
     target: torch.Tensor
     q: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    kind: str = ""
+    """The GGUF block type of `q` (a layout of quant 'gguf'), or ''."""
 
 
 def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torch.Tensor,
               scratch: DequantScratch) -> list[_Binding]:
     """How each of a layer's `params` (by name) is produced from a packed `buffer` holding it."""
-    quantized = any(p.role == "q" for p in layout.pieces)
+    quantized = any(p.role != "" for p in layout.pieces)
     scratch_views = scratch.views(layout) if quantized else {}
     out = []
     for name, roles in layout.params().items():
-        if "" in roles:
+        if layout.quant == "gguf":
+            (kind, piece), = roles.items()
+            out.append(_Binding(params[name], scratch_views[name], piece.view(buffer), kind=kind))
+        elif "" in roles:
             out.append(_Binding(params[name], roles[""].view(buffer)))
         else:
             q, scale = roles["q"].view(buffer), roles["scale"].view(buffer) if "scale" in roles else None
@@ -92,7 +98,9 @@ def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torc
 
 def _bind(bindings: list[_Binding], quant: str) -> None:
     for b in bindings:
-        if b.q is not None:
+        if b.kind:
+            gguf_dequantize(b.q.reshape(-1), b.kind, b.target.shape, out=b.target)
+        elif b.q is not None:
             dequantize(b.q, b.scale, quant, out=b.target)
         b.param.data = b.target
 

@@ -36,7 +36,8 @@ class Piece:
     """Parameter name relative to the decoder layer, e.g. 'mlp.down_proj.weight'."""
     role: str
     """'' for a plain tensor; 'q' (integers, or bf16 below a float32 compute dtype) or
-    'scale' for a quantized weight."""
+    'scale' for a quantized weight; in a GGUF layout (quant 'gguf'), the GGUF block type
+    of the tensor's raw bytes ('Q4_K'), shaped (rows, bytes per row), or (bytes,) for a vector."""
     offset: int
     shape: tuple[int, ...]
     dtype: str
@@ -92,7 +93,10 @@ class LayerLayout:
         """Parameter name -> its shape in the compute dtype (after dequantization)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for name, roles in self.params().items():
-            if "" in roles:
+            if self.quant == "gguf":  # one piece of raw GGUF blocks, its role the block type
+                (kind, piece), = roles.items()
+                shapes[name] = gguf_weights_shape(kind, piece.shape)
+            elif "" in roles:
                 shapes[name] = roles[""].shape
             else:
                 q = roles["q"]
@@ -107,6 +111,15 @@ class LayerLayout:
     def from_json(cls, data: Mapping) -> LayerLayout:
         pieces = tuple(Piece.from_json(row) for row in data["pieces"])
         return cls(pieces, str(data["quant"]), str(data["dtype"]))
+
+
+def gguf_weights_shape(kind: str, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """The weights' shape of a GGUF piece of block type `kind` stored as (rows, row bytes) or (bytes,)."""
+    from minions_local.offload.gguf_blocks import block_type
+
+    btype = block_type(kind)
+    cols = stored[-1] // btype.type_size * btype.block_size
+    return (*stored[:-1], cols)
 
 
 def _stored_shapes(

@@ -1,0 +1,178 @@
+"""What dequantizing a GGUF layer costs, against what its smaller reads save.
+
+    python scripts/bench_gguf_dequant.py [--gguf FILE] [--threads 1] [--repeats 20] [--passes 3]
+
+1. Per decoder layer of the file (default: the shipped SmolLM2 Q4_1), interleaved, best
+   of `--repeats`: our torch dequantization of the layer's blocks into float32 (what a
+   streamed pass does before each layer runs), the widening of the same weights from
+   bf16 (what today's bf16 stream does on a CPU without bf16 kernels), and the `gguf`
+   package's numpy reference. Also per block type on a 576x1536 / 1536x576 matrix.
+2. Bytes per pass: the GGUF layers against the same layers in bf16.
+3. With `--passes N`: N one-token passes of the target streamed from disk as GGUF blocks
+   and as bf16 (page cache bypassed), alternating, and the share of a GGUF pass that
+   went to dequantization.
+
+Prints a table, then ONE JSON line. Timings on a shared 2-core box are noisy: compare
+the ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minions_local.models.gguf_target import open_target
+from minions_local.offload.gguf_blocks import BLOCK_TYPES, dequantize
+
+
+def best_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def layer_tensors(path: Path, layer: int) -> list[tuple[torch.Tensor, str, tuple[int, ...]]]:
+    target = open_target(path)
+    out = []
+    with open(path, "rb") as f:
+        for name in target.layer_tensors(layer).values():
+            info = target.file.tensors[name]
+            f.seek(info.offset)
+            raw = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=torch.uint8)
+            out.append((raw, info.type_name, info.shape))
+    return out
+
+
+def per_layer(path: Path, repeats: int) -> dict:
+    import gguf
+
+    tensors = layer_tensors(path, 1)
+    outs = [torch.empty(shape) for _, _, shape in tensors]
+    widened = [torch.empty(shape, dtype=torch.bfloat16) for _, _, shape in tensors]
+    arrays = [(raw.numpy(), gguf.GGMLQuantizationType[kind]) for raw, kind, _ in tensors]
+
+    def ours():
+        for (raw, kind, shape), out in zip(tensors, outs):
+            dequantize(raw, kind, shape, out=out)
+
+    def widen():
+        for src, out in zip(widened, outs):
+            out.copy_(src)
+
+    def reference():
+        for raw, kind in arrays:
+            gguf.quants.dequantize(raw, kind)
+
+    rounds = {"ours": [], "widen_bf16": [], "reference": []}
+    for _ in range(3):  # interleaved rounds: other load hits all three alike
+        rounds["ours"].append(best_ms(ours, repeats))
+        rounds["widen_bf16"].append(best_ms(widen, repeats))
+        rounds["reference"].append(best_ms(reference, max(2, repeats // 5)))
+    weights = sum(o.numel() for o in outs)
+    gguf_bytes = sum(raw.numel() for raw, _, _ in tensors)
+    return {"weights": weights, "gguf_bytes": gguf_bytes, "bf16_bytes": 2 * weights,
+            **{f"{k}_ms": min(v) for k, v in rounds.items()}}
+
+
+def per_type(repeats: int) -> dict:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"):
+        shape = (1536, 768) if BLOCK_TYPES[name].block_size == 256 else (1536, 576)
+        weights = rng.normal(size=shape).astype(np.float32) * 0.02
+        if name in ("Q4_K", "Q5_K", "Q6_K"):
+            raw = rng.integers(0, 256, size=BLOCK_TYPES[name].nbytes(shape), dtype=np.uint8)
+        else:
+            raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[name]).view(np.uint8)
+        flat = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+        dst = torch.empty(shape)
+        ms = best_ms(lambda: dequantize(flat, name, shape, out=dst), repeats)
+        out[name] = {"ms": ms, "gweights_per_s": shape[0] * shape[1] / ms / 1e6}
+    return out
+
+
+def passes(path: Path, n: int) -> dict:
+    """One-token passes from disk, GGUF blocks vs bf16 (the converted folder), alternating."""
+    from minions_local.models.smollm2 import ensure_folder
+    from minions_local.offload.gguf_streamed import load_streamed_gguf
+    from minions_local.offload.streamed import load_streamed_causal_lm
+
+    cache = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
+    g, g_stats = load_streamed_gguf(path, tier="disk", dtype=torch.float32, cache_dir=cache, buffers=8)
+    b, b_stats = load_streamed_causal_lm(ensure_folder(), tier="disk", dtype=torch.float32, quant="bf16",
+                                         cache_dir=cache, buffers=8)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    times = {"gguf": [], "bf16": []}
+    with torch.no_grad():
+        for model in (g, b):
+            model(ids)  # warm: first reads check the packs
+        for _ in range(n):
+            for key, model in (("gguf", g), ("bf16", b)):
+                t0 = time.perf_counter()
+                model(ids[:, :1])
+                times[key].append(1e3 * (time.perf_counter() - t0))
+    return {"gguf_pass_ms": float(np.median(times["gguf"])), "bf16_pass_ms": float(np.median(times["bf16"])),
+            "gguf_bytes_per_pass": g_stats.bytes_per_pass, "bf16_bytes_per_pass": b_stats.bytes_per_pass}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--passes", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.gguf is None:
+        from minions_local.models.smollm2 import shipped_gguf
+
+        args.gguf = shipped_gguf()
+    target = open_target(args.gguf)
+    layer = per_layer(args.gguf, args.repeats)
+    types = per_type(args.repeats)
+    result = {"file": args.gguf.name, "threads": args.threads, "layers": target.layers, "layer": layer,
+              "types": types, "cpu": _cpu()}
+    n_layers = target.layers
+    print(f"{args.gguf.name}: {n_layers} layers, {args.threads} thread(s), {result['cpu']}")
+    print(f"per layer: {layer['weights'] / 1e6:.2f} M weights, {layer['gguf_bytes'] / 1e6:.2f} MB of blocks "
+          f"({layer['gguf_bytes'] / layer['bf16_bytes']:.3f} of bf16)")
+    print(f"  ours (torch, into float32)   {layer['ours_ms']:7.2f} ms   x{n_layers} = {layer['ours_ms'] * n_layers:6.1f} ms a pass")
+    print(f"  bf16 widened to float32      {layer['widen_bf16_ms']:7.2f} ms   x{n_layers} = {layer['widen_bf16_ms'] * n_layers:6.1f} ms a pass")
+    print(f"  gguf.quants reference (numpy){layer['reference_ms']:7.2f} ms")
+    print(f"  ours / widening {layer['ours_ms'] / layer['widen_bf16_ms']:.2f}x, reference / ours "
+          f"{layer['reference_ms'] / layer['ours_ms']:.2f}x")
+    print("per type (1536 rows):", ", ".join(f"{k} {v['ms']:.2f} ms" for k, v in types.items()))
+    if args.passes:
+        result["passes"] = p = passes(args.gguf, args.passes)
+        share = layer["ours_ms"] * n_layers / p["gguf_pass_ms"]
+        result["passes"]["dequant_share_of_gguf_pass"] = share
+        print(f"1-token pass from disk (median of {args.passes}): GGUF {p['gguf_pass_ms']:.1f} ms "
+              f"({p['gguf_bytes_per_pass'] / 1e6:.1f} MB), bf16 {p['bf16_pass_ms']:.1f} ms "
+              f"({p['bf16_bytes_per_pass'] / 1e6:.1f} MB); GGUF/bf16 {p['gguf_pass_ms'] / p['bf16_pass_ms']:.2f}x; "
+              f"dequantization ~{share:.0%} of a GGUF pass")
+    print(json.dumps(result))
+
+
+def _cpu() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "")
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+    return f"{model} ({isa})"
+
+
+if __name__ == "__main__":
+    main()

@@ -60,6 +60,14 @@ class StepRecord:
     pass_rows: int = 0
     """Rows the target's pass ran: every sharing request's tree, roots included
     (0: not recorded; one request's pass runs tree_size + 1)."""
+    t_step: float | None = None
+    """Wall seconds of the whole step when requests shared it (every request's growing
+    and the shared pass): what the step cost this request in time. None: t_grow + t_verify."""
+
+    @property
+    def seconds(self) -> float:
+        """The step's wall time as this request lived it."""
+        return self.t_step if self.t_step is not None else self.t_grow + self.t_verify
     tree: "TreeSnapshot | None" = None
     """The verified tree, for display (kept small: tokens, parents, owners, accepted path)."""
 
@@ -69,7 +77,7 @@ class StepRecord:
 
     @property
     def tokens_per_second(self) -> float:
-        total = self.t_grow + self.t_verify
+        total = self.seconds
         return self.new_tokens / total if total > 0 else 0.0
 
 
@@ -120,11 +128,11 @@ class Generation:
 
     @property
     def seconds(self) -> float:
-        return self.prefill_seconds + sum(s.t_grow + s.t_verify for s in self.steps)
+        return self.prefill_seconds + self.decode_seconds
 
     @property
     def decode_seconds(self) -> float:
-        return sum(s.t_grow + s.t_verify for s in self.steps)
+        return sum(s.seconds for s in self.steps)
 
     @property
     def tokens_per_pass(self) -> float:

@@ -290,6 +290,13 @@ class Engine:
         """Every conversation's reply, in input order (see `stream_batch`)."""
         return _collect(self.stream_chat_batch(conversations, **kwargs), len(conversations))
 
+    def batch_run(self, parallel: int | None = None):
+        """A continuous batch over this engine (engine/batch.py) for a caller that owns it
+        (the server's scheduler): requests join with `admit` and decode with `step`."""
+        from minions_local.engine.batch import BatchRun
+
+        return BatchRun(self, parallel or self.default_parallel())
+
     def default_parallel(self) -> int:
         """Requests a batch runs at once by default: what memory allows for their caches
         (engine/memory.py), at most 8 on a CPU and 16 on a GPU."""

@@ -45,6 +45,8 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_waiting: int = 8
+    parallel: int | None = None
+    """Requests decoding at once (None: what the engine's memory allows, engine.default_parallel)."""
 
 
 class ClientGone(Exception):
@@ -52,8 +54,9 @@ class ClientGone(Exception):
 
 
 def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = None) -> Starlette:
-    """The ASGI app over `engine` (anything with stream / stream_chat / cancel, like Engine)."""
-    scheduler = scheduler or Scheduler(engine, max_waiting=settings.max_waiting)
+    """The ASGI app over `engine` (anything with prepare / prepare_chat / batch_run /
+    default_parallel, like Engine)."""
+    scheduler = scheduler or Scheduler(engine, max_waiting=settings.max_waiting, parallel=settings.parallel)
     profile = getattr(engine, "profile_name", "") or ""
 
     def authorize(request: Request) -> None:
@@ -117,7 +120,7 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
         messages, options = req.chat_messages(), req.engine_options()
         reply = Reply(chat=True, model=settings.model_name, include_usage=req.include_usage)
         return await serve(request, reply, bool(req.stream), "messages",
-                           lambda engine: engine.stream_chat(messages, **options))
+                           lambda engine: engine.prepare_chat(messages, **options))
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -125,15 +128,16 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
         prompt, options = req.prompt, req.engine_options()
         reply = Reply(chat=False, model=settings.model_name, include_usage=req.include_usage)
         return await serve(request, reply, bool(req.stream), "prompt",
-                           lambda engine: engine.stream(prompt, **options))
+                           lambda engine: engine.prepare(prompt, **options))
 
     async def serve(request: Request, reply: Reply, stream: bool, prompt_field: str, start: Any) -> Response:
         job = Job(start=start, loop=asyncio.get_running_loop(), name=reply.id)
         try:
             scheduler.submit(job)
         except QueueFull:
-            raise ApiError(429, f"The server is busy: one generation runs and {scheduler.max_waiting} wait, the "
-                                f"most it queues (--queue). Retry shortly.", type="requests",
+            raise ApiError(429, f"The server is busy: {scheduler.parallel} requests decode at once (--parallel) "
+                                f"and {scheduler.max_waiting} wait, the most it queues (--queue). Retry shortly.",
+                           type="requests",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except Stopped:
             raise errors.shutting_down() from None

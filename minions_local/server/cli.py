@@ -61,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--port", type=_count(0), default=8000, help="port (default: 8000; 0 picks a free one)")
     net.add_argument("--api-key", metavar="KEY",
                      help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)")
+    net.add_argument("--parallel", type=_count(1), metavar="N",
+                     help="requests decoding at once, sharing every target pass (default: what memory allows for "
+                          "their caches, at most 8 on a CPU)")
     net.add_argument("--queue", type=_count(0), default=8, metavar="N",
-                     help="requests that may wait while one generates; more get 429 (default: 8)")
+                     help="requests that may wait while --parallel decode; more get 429 (default: 8)")
     net.add_argument("--max-body-bytes", type=_count(1024), default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                      help=f"largest request body; larger gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     name = args.model_name or (Path(args.target).name if args.target else engine.profile_name) or "minions-local"
     settings = Settings(model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                        max_waiting=args.queue)
+                        max_waiting=args.queue, parallel=args.parallel)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     err.write(f"minions-serve: model '{name}' ready on http://{shown}:{port}/v1 "

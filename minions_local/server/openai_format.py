@@ -42,6 +42,9 @@ def speculation_stats(generation: Generation, *, queue_seconds: float, profile: 
         "prefill_seconds": round(generation.prefill_seconds, 4),
         "decode_seconds": round(generation.decode_seconds, 4),
         "queue_seconds": round(queue_seconds, 4),
+        # Requests whose trees shared its passes (continuous batching): mean and most.
+        "batch_size": round(sum(s.batch_size for s in steps) / len(steps), 2) if steps else 0,
+        "max_batch_size": max((s.batch_size for s in steps), default=0),
     }
 
 

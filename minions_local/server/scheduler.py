@@ -1,11 +1,16 @@
-"""One engine, one generation at a time, and a bounded FIFO queue in front of it.
+"""One engine, up to `parallel` requests decoding together, and a bounded FIFO queue.
 
 The engine's passes block (torch work), so they run on one worker thread; the event
 loop only queues jobs and reads their events. Each job's events cross to the loop
-through `call_soon_threadsafe` into an asyncio queue. A full queue refuses at once
-(the HTTP layer answers 429) instead of letting waiting requests pile up without
-bound. Cancelling a job (its client went away) takes it out of the queue, or, when
-it is the one running, tells the engine to stop after the current target pass.
+through `call_soon_threadsafe` into an asyncio queue.
+
+Continuous batching (engine/batch.py): up to `parallel` jobs run at once, and every
+target pass serves all of them; between passes, finished jobs leave and waiting ones
+join, first come first served. Beyond `parallel` running and `max_waiting` waiting, a
+new job is refused at once (the HTTP layer answers 429) instead of piling up without
+bound. Cancelling a job (its client went away) takes it out of the queue, or, when it
+runs, ends it at the next pass boundary; the others run on. A job's bad request fails
+that job alone, before it joins.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +28,9 @@ from minions_local.core.events import DoneEvent, StepEvent
 
 log = logging.getLogger("minions_local.server")
 
-Start = Callable[[Any], Iterator[Any]]
-"""`start(engine) -> events`: calls engine.stream / stream_chat (which check the request)."""
+Start = Callable[[Any], Any]
+"""`start(engine) -> request`: calls engine.prepare / prepare_chat, which check the
+request (a bad one raises before it joins the batch)."""
 
 
 class QueueFull(Exception):
@@ -77,14 +83,19 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Any, *, max_waiting: int) -> None:
+    def __init__(self, engine: Any, *, max_waiting: int, parallel: int | None = None) -> None:
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.parallel = parallel if parallel is not None else engine.default_parallel()
+        if self.parallel < 1:
+            raise ValueError("parallel must be >= 1")
+        self._batch = engine.batch_run(self.parallel)
         self._waiting: deque[Job] = deque()
+        self._running: dict[Job, Any] = {}
+        """Each running job's request in the batch."""
         self._cond = threading.Condition()
-        self._running: Job | None = None
         self._stopped = False
         self._worker = threading.Thread(target=self._work, name="minions-serve-engine", daemon=True)
         self._worker.start()
@@ -95,35 +106,31 @@ class Scheduler:
         with self._cond:
             if self._stopped:
                 raise Stopped
-            # One running plus max_waiting, counted the same whether or not the worker
-            # has taken the last job off the queue yet.
-            if len(self._waiting) + (self._running is not None) > self.max_waiting:
+            # `parallel` running plus max_waiting waiting, counted the same whether or
+            # not the worker has moved the last jobs into the batch yet.
+            if len(self._waiting) + len(self._running) >= self.parallel + self.max_waiting:
                 raise QueueFull
             self._waiting.append(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if it waits, stop the engine if it runs."""
+        """The client is gone: drop the job if it waits; if it runs, it leaves the batch
+        at the next pass boundary (the worker sees the flag)."""
         job.cancelled.set()
         with self._cond:
             if job in self._waiting:
                 self._waiting.remove(job)
-                return
-            if self._running is job:
-                # Under the lock: the engine is still on this job, so the flag cannot
-                # land on the next one.
-                self.engine.cancel()
+                job.put(Ended())
 
     def stop(self) -> None:
-        """Refuse new jobs, fail the waiting ones, stop the running one after its pass."""
+        """Refuse new jobs, fail the waiting ones, end the running ones after their pass."""
         with self._cond:
             if self._stopped:
                 return
             self._stopped = True
             waiting, self._waiting = list(self._waiting), deque()
-            if self._running is not None:
-                self._running.cancelled.set()
-                self.engine.cancel()
+            for job in self._running:
+                job.cancelled.set()
             self._cond.notify_all()
         for job in waiting:
             job.put(Failed(Stopped()))
@@ -137,49 +144,69 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     # --- on the worker thread ---------------------------------------------------------
 
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopped:
+                while not self._waiting and not self._running and not self._stopped:
                     self._cond.wait()
-                if self._stopped:
+                if self._stopped and not self._running:
                     return
-                job = self._running = self._waiting.popleft()
+                joining = []
+                while self._waiting and len(self._running) + len(joining) < self.parallel:
+                    joining.append(self._waiting.popleft())
+                for job in joining:
+                    self._running[job] = None  # counted as running from here (submit's bound)
             try:
-                self._run(job)
-            except BaseException as err:  # keep serving: a failure belongs to its job
+                for job in joining:
+                    self._join(job)
+                self._step()
+            except BaseException as err:  # keep serving: a failure belongs to its jobs
                 log.error("the worker failed outside a generation", exc_info=err)
-            finally:
-                with self._cond:
-                    self._running = None
-                job.put(Ended())
 
-    def _run(self, job: Job) -> None:
+    def _join(self, job: Job) -> None:
         job.started_at = time.perf_counter()
         if job.cancelled.is_set():
+            self._leave(job)
             return
         try:
-            events = job.start(self.engine)
+            request = job.start(self.engine)
         except Exception as err:  # the engine refused the request before any work
             job.put(Failed(err))
+            self._leave(job)
             return
         job.put(Started())
+        self._running[job] = self._batch.admit(request, job)
+
+    def _step(self) -> None:
+        for job, request in list(self._running.items()):
+            if job.cancelled.is_set() and request is not None:
+                self._batch.cancel(request)
+        if not self._batch.running:
+            return
         try:
-            for event in events:
-                job.put(event)
-                if isinstance(event, StepEvent):
-                    job.passes += 1
-                    # A pass ends with its StepEvent: stop here, within one pass of the cancel.
-                    if job.cancelled.is_set():
-                        log.info("%s: cancelled after %d target passes", job.name, job.passes)
-                        break
-                if isinstance(event, DoneEvent) and event.generation.finish_reason == "cancelled":
+            events = self._batch.step()
+        except Exception as err:  # the pass failed: every job in it fails (the batch dropped them)
+            for job in list(self._running):
+                job.put(Failed(err))
+                self._leave(job)
+            return
+        for request, event in events:
+            job = request.tag
+            job.put(event)
+            if isinstance(event, StepEvent):
+                job.passes += 1
+            elif isinstance(event, DoneEvent):
+                if event.generation.finish_reason == "cancelled":
                     log.info("%s: cancelled after %d target passes", job.name, job.passes)
-        except Exception as err:
-            job.put(Failed(err))
-        finally:
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()
+                self._leave(job)
+
+    def _leave(self, job: Job) -> None:
+        job.put(Ended())
+        with self._cond:
+            self._running.pop(job, None)

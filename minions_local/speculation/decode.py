@@ -265,8 +265,12 @@ class Decoder:
         self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
         streamed = self.target.bytes_streamed() - streamed_before
         rows = sum(len(p.tree) for p in plans)
-        return [self._learn(plan, path, bonus, ahead_nodes, t2 - t1, streamed, rows, len(plans), t_policy)
-                for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
+        results = [self._learn(plan, path, bonus, ahead_nodes, t2 - t1, streamed, rows, len(plans), t_policy)
+                   for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
+        if len(plans) > 1:
+            for r in results:
+                r.record.t_step = t2 - t0
+        return results
 
     def _budgets(self, requests: Sequence[StepRequest]) -> list[StepBudget]:
         """Each request's tree size: the policy's choice for one request; for several,

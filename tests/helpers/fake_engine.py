@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from minions_local.core.events import (
@@ -100,6 +101,22 @@ class FakeEngine:
         self.calls.append({"prompt": prompt, **kwargs})
         return self._run(self.completion, kwargs.get("max_new_tokens", 256))
 
+    # --- the batch contract the server's scheduler uses (engine/batch.py) --------------
+
+    def prepare_chat(self, messages: list[dict[str, str]], **kwargs: Any) -> FakeRequest:
+        self.calls.append({"messages": [dict(m) for m in messages], **kwargs})
+        return FakeRequest(self.reply, kwargs.get("max_new_tokens", 256))
+
+    def prepare(self, prompt: str, **kwargs: Any) -> FakeRequest:
+        self.calls.append({"prompt": prompt, **kwargs})
+        return FakeRequest(self.completion, kwargs.get("max_new_tokens", 256))
+
+    def default_parallel(self) -> int:
+        return 4
+
+    def batch_run(self, parallel: int) -> FakeBatch:
+        return FakeBatch(self, parallel)
+
     def _run(self, text: str, max_new_tokens: int) -> Iterator[Any]:
         words = pieces(text)
         cut = len(words) > max_new_tokens
@@ -186,6 +203,71 @@ class FakeEngine:
             predicted_t_grow=0.005,
             tree=tree,
         )
+
+
+@dataclass
+class FakeRequest:
+    text: str
+    max_new_tokens: int
+
+
+@dataclass(eq=False)
+class FakeBatchRequest:
+    tag: Any
+    events: Iterator[Any]
+    cancelled: bool = False
+
+
+class FakeBatch:
+    """BatchRun's contract over the fake's streams: each step is one pass of every
+    running request (gates and failures happen inside it, as in a real pass)."""
+
+    def __init__(self, engine: FakeEngine, parallel: int) -> None:
+        self.engine = engine
+        self.parallel = parallel
+        self.running: list[FakeBatchRequest] = []
+        self.passes = 0
+        self.sizes: list[int] = []
+        """Requests in each pass."""
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.running) < self.parallel
+
+    def admit(self, request: FakeRequest, tag: Any = None) -> FakeBatchRequest:
+        req = FakeBatchRequest(tag, self.engine._run(request.text, request.max_new_tokens))
+        self.running.append(req)
+        return req
+
+    def cancel(self, req: FakeBatchRequest) -> None:
+        req.cancelled = True
+
+    def step(self) -> list[tuple[FakeBatchRequest, Any]]:
+        out: list[tuple[FakeBatchRequest, Any]] = []
+        for req in [r for r in self.running if r.cancelled]:
+            self.running.remove(req)
+            req.events.close()
+            out.append((req, DoneEvent(Generation([], "", [], "cancelled"))))
+        if not self.running:
+            return out
+        self.passes += 1
+        self.sizes.append(len(self.running))
+        try:
+            for req in list(self.running):
+                for event in req.events:
+                    out.append((req, event))
+                    if isinstance(event, DoneEvent):
+                        self.running.remove(req)
+                        for _ in req.events:  # let the stream end itself (not closed early)
+                            pass
+                    if isinstance(event, (StepEvent, DoneEvent)):
+                        break
+        except BaseException:
+            for req in self.running:
+                req.events.close()
+            self.running = []
+            raise
+        return out
 
 
 class FakeFactory:

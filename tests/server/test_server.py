@@ -391,7 +391,8 @@ def test_sigterm_stops_cleanly_with_work_in_flight(server, client, model):
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(raw, server, "POST", "/completions", {"prompt": "x", "max_tokens": 2})
+        # Decoding beside the first (continuous batching) or waiting, it must get a 503.
+        waiting = pool.submit(raw, server, "POST", "/completions", {"prompt": "x", "max_tokens": 1200})
         time.sleep(0.3)
         t0 = time.monotonic()
         assert server.stop(signal.SIGTERM) == 0

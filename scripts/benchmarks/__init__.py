@@ -9,6 +9,7 @@ child process, in a memory group smaller than the model on the disk tier), `roun
 serves the stdlib family's benches (bench_budgets, bench_mix, bench_pipelining,
 bench_sampled_accept).
 bench_stream.py's: `streaming` (timed passes and streamed bytes), `raw_reads` (the
-O_DIRECT yardstick, bench.py's too) and `synthetic` (a real model's shape with
-random weights).
+O_DIRECT yardstick, bench.py's too), `stream_bound` (whether reads or compute bound a
+pass, so which figure it may claim; bench.py's goal line too) and `synthetic` (a real
+model's shape with random weights).
 """

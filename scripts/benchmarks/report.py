@@ -16,6 +16,7 @@ from pathlib import Path
 from statistics import median
 
 from benchmarks.methods import Method, Run
+from benchmarks.stream_bound import StreamBound
 
 BASELINE = "autoregressive"
 MODES = ("greedy", "sampled")
@@ -26,6 +27,9 @@ GOALS = {  # issue 14's goals (benchmark figures of one run, not timed tests)
     "disk_sampled_vs_autoregressive": 3.0,
     "greedy_tokens_per_pass": 6.0,
     "autoregressive_stream_efficiency": 0.8,
+    # Where compute bounds the baseline's pass, its efficiency measures the compute, so
+    # the same goal reads the share of the reads hidden behind it instead (stream_bound.py).
+    "autoregressive_read_hidden_fraction": 0.8,
     "disk_vs_accelerate_offload": 10.0,
     "adaptive_vs_best_fixed": 0.95,
     "learned_selection_vs_all_minions": 0.95,
@@ -167,9 +171,13 @@ def physical_bound(tokens_per_pass: float, raw_gbps: float | None, nbytes: int) 
 
 
 def goal_checks(tier: str, summary: dict[str, dict[str, Summary]], methods: list[Method],
-                errors: dict[str, float | None], efficiency: float | None) -> dict[str, dict]:
+                errors: dict[str, float | None], efficiency: float | None,
+                bound: StreamBound | None = None) -> dict[str, dict]:
     """Each goal of issue 14: its value, the threshold, and whether it passed (None =
-    not applicable here, or not measured); plus the llama.cpp ratio, reported without a goal."""
+    not applicable here, or not measured); plus the llama.cpp ratio, reported without a goal.
+
+    `bound`: which bound the baseline's passes are under (engine_pass_bound): the stream
+    efficiency is claimed only where reads bound them, the hidden fraction where compute does."""
     present = [m for m in methods if m.name in summary]
     by_family = lambda fam: [m.name for m in present if m.family == fam]  # noqa: E731
     vs = lambda n, mode="all": summary[n][mode].vs_baseline if mode in summary[n] else None  # noqa: E731
@@ -190,7 +198,12 @@ def goal_checks(tier: str, summary: dict[str, dict[str, Summary]], methods: list
     put("disk_sampled_vs_autoregressive", vs(adaptive, "sampled") if adaptive else None, disk)
     greedy = summary[adaptive].get("greedy") if adaptive else None
     put("greedy_tokens_per_pass", greedy.tokens_per_pass if greedy else None, True)
-    put("autoregressive_stream_efficiency", efficiency, disk)
+    read_bound = bound is None or bound.bound == "read"
+    put("autoregressive_stream_efficiency", efficiency, disk and read_bound)
+    put("autoregressive_read_hidden_fraction", bound.hidden_fraction if bound else None, disk and not read_bound)
+    if bound is not None:
+        for key in ("autoregressive_stream_efficiency", "autoregressive_read_hidden_fraction"):
+            checks[key]["bound"] = bound.describe()
     a = vs(adaptive) if adaptive else None
     best_hf = max(hf, key=vs) if hf else None
     put("disk_vs_accelerate_offload", a / vs(best_hf) if a and best_hf else None, disk)

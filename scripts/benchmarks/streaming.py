@@ -14,25 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks.stream_bound import StreamBound, stream_bound
 from minions_local.offload.binding import layer_store
 from minions_local.offload.checkpoint import Checkpoint
 from minions_local.offload.layout import aligned_empty
 
 PREFIX = 64
-
-
-def random_llama(folder: Path, quick: bool) -> Path:
-    """A random Llama (~70M params; ~20M with --quick) saved as safetensors."""
-    config = LlamaConfig(vocab_size=8000, hidden_size=768 if not quick else 512,
-                         intermediate_size=2048 if not quick else 1408, num_hidden_layers=8 if not quick else 6,
-                         num_attention_heads=12 if not quick else 8, num_key_value_heads=4,
-                         max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def tree(size: int, rng: random.Random) -> list[int]:
@@ -110,6 +98,25 @@ def streamed_run(runner: Runner, passes: int) -> tuple[int, float, float]:
     return runner.stats.bytes_streamed - b0, dt, runner.stats.seconds_waiting - w0
 
 
+def engine_pass_bound(engine, raw_gbps: float, passes: int = 8) -> StreamBound | None:
+    """Which bound an engine's own 1-token target passes are under (None: its target
+    does not stream): back-to-back passes timed as bench_stream.py times them, counted
+    by the target's layer store. The engine's cache is reset before and after."""
+    target = engine.decoder.target
+    stats = getattr(target, "stream_stats", None)
+    if stats is None or layer_store(target.model) is None:
+        return None
+    engine.reset()
+    try:
+        runner = Runner("autoregressive", target, stats, next(target.model.parameters()).device.type)
+        runner.pass_(1)  # the first pass fills the pipeline and warms the kernels
+        moved, seconds, waiting = streamed_run(runner, passes)
+    finally:
+        engine.reset()
+    return stream_bound(bytes_per_pass=moved / passes, seconds_per_pass=seconds / passes,
+                        waiting_per_pass=waiting / passes, raw_gbps=raw_gbps)
+
+
 def h2d_check(ram: Runner, passes: int, rounds: int) -> dict:
     """CUDA: the RAM tier's achieved pinned-host -> GPU speed vs a plain pinned memcpy's."""
     layer = ram.stats.bytes_per_pass // max(1, ram.stats.layers_streamed // max(1, ram.stats.passes))
@@ -143,9 +150,11 @@ def pass_times(runners: list[Runner], sizes: list[int], repeats: int) -> dict[st
     return times
 
 
-def print_table(res: dict, sizes: list[int]) -> None:
-    print(f"model: {res['model']}  ({res['params'] / 1e6:.1f}M params, {res['dtype']}, quant={res['quant']}, "
-          f"{res['bytes_per_pass'] / 1e6:.1f} MB streamed per pass, read mode {res['read_mode']})")
+def print_table(res: dict, sizes: list[int], bound: str) -> None:
+    """`bound`: StreamBound.describe(), the line that says which figure holds."""
+    print(f"model: {res['model']}  ({res['params'] / 1e6:.1f}M params, {res['dtype']} computed in "
+          f"{res['compute_dtype']}, quant={res['quant']}, {res['bytes_per_pass'] / 1e6:.1f} MB streamed per pass, "
+          f"read mode {res['read_mode']})")
     print(f"raw O_DIRECT read   {res['raw_read_gbps']:6.3f} GB/s  (the better of 1 thread "
           f"{res['raw_sequential_gbps']} and {res['readers']} threads {res['raw_parallel_gbps']})")
     print(f"achieved, disk tier {res['achieved_gbps']:6.3f} GB/s  "
@@ -153,14 +162,13 @@ def print_table(res: dict, sizes: list[int]) -> None:
     print(f"raw reads landing in {res['landing_buffers']} layer buffers in turn {res['landing_read_gbps']:.3f} GB/s: "
           f"landing ceiling {res['landing_ceiling']:.3f} of raw, the pipeline achieves "
           f"{res['overlap_efficiency']:.3f} of that")
-    print(f"stream efficiency   {res['stream_efficiency']:6.3f}       (per-round quartiles "
-          f"{res['stream_efficiency_round_quartiles']}; passes are {res['bound']}-bound, "
-          f"{res['stream_pass_ms']} ms each)")
+    print(f"passes are {bound}")
+    print(f"                    ({res['stream_pass_ms']} ms a pass; per-round achieved/raw quartiles "
+          f"{res['stream_efficiency_round_quartiles']})")
     if "h2d_peak_gbps" in res:
         print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
               f"GB/s, efficiency {res['h2d_efficiency']}")
-    print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass ({res['read_hidden_fraction']:.0%} of the "
-          f"read time hidden behind compute); load average {res['loadavg_1m']} "
+    print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass; load average {res['loadavg_1m']} "
           f"on {os.cpu_count()} cores (shared machines make every number noisy)")
     print()
     names = list(res["pass_ms"])

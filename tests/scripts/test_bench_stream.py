@@ -1,10 +1,14 @@
-"""bench_stream.py's machinery: the raw-read yardstick and the synthetic target."""
+"""bench_stream.py's machinery: the raw-read yardstick, the synthetic target, and
+which bound a streamed pass is under (so which figure it may claim)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from benchmarks.raw_reads import read_files_direct
+from benchmarks.stream_bound import stream_bound
 from benchmarks.synthetic import synthetic_streamed_causal_lm
 
 from minions_local.offload import load_streamed_causal_lm
@@ -41,3 +45,48 @@ def test_synthetic_target_streams_its_real_byte_count():
     assert all(torch.isfinite(x).all() for x in logits)
     assert stats.bytes_streamed == 2 * stats.bytes_per_pass
     assert stats.bytes_per_pass < 2 * 3.2e6 * 0.6  # ~3.2M params per layer at ~0.53 bytes each
+
+
+def test_a_pass_that_computes_longer_than_it_reads_claims_the_hidden_fraction():
+    """Issue 25's box: SmolLM2's 212 MB per pass at ~6 GB/s is ~35 ms of reads under
+    ~90 ms of compute; achieved / raw is then ~0.39 with almost every read hidden."""
+    bound = stream_bound(bytes_per_pass=212e6, seconds_per_pass=0.090, waiting_per_pass=0.0007, raw_gbps=6.0)
+    assert bound.bound == "compute"
+    assert abs(bound.read_ms - 35.3) < 0.1 and abs(bound.compute_ms - 89.3) < 0.1
+    assert round(bound.efficiency, 2) == 0.39
+    assert bound.figure == ("read_hidden_fraction", bound.hidden_fraction) and round(bound.hidden_fraction, 2) == 0.98
+    assert "compute-bound" in bound.describe() and "98% of the read time hidden" in bound.describe()
+    assert bound.as_json()["figure"] == "read_hidden_fraction"
+
+
+def test_a_pass_that_waits_on_its_reads_claims_the_stream_efficiency():
+    """The AVX-512 EPYC's baseline: 110 ms a pass, 1.91 GB/s of a raw 2.19."""
+    bound = stream_bound(bytes_per_pass=212e6, seconds_per_pass=0.111, waiting_per_pass=0.050, raw_gbps=2.19)
+    assert bound.bound == "read" and bound.compute_ms < bound.read_ms
+    assert bound.figure == ("stream_efficiency", bound.efficiency) and round(bound.efficiency, 2) == 0.87
+    assert "read-bound" in bound.describe()
+
+
+def test_a_pass_whose_reads_run_late_is_not_flattered():
+    """Compute longer than the reads at raw speed, yet the reads ran so slowly that
+    compute waited: the hidden fraction says so (half the read time was not hidden)."""
+    bound = stream_bound(bytes_per_pass=100e6, seconds_per_pass=0.080, waiting_per_pass=0.025, raw_gbps=2.0)
+    assert bound.bound == "compute" and bound.hidden_fraction == 0.5
+    never_waited = stream_bound(bytes_per_pass=100e6, seconds_per_pass=0.080, waiting_per_pass=0.0, raw_gbps=2.0)
+    assert never_waited.hidden_fraction == 1.0
+
+
+def test_the_default_model_is_smollm2_not_the_toy(monkeypatch, tmp_path):
+    """Issue 25: the stdlib toy's passes are compute-bound on any CPU, so measuring it
+    by default said nothing about streaming the model people run."""
+    import bench_stream
+
+    from minions_local.engine import loading
+    from minions_local.models.builtin import SMOLLM2, builtin_path
+
+    asked = []
+    monkeypatch.setattr(loading, "prepare_builtin", lambda path, progress: asked.append(path) or tmp_path)
+    assert bench_stream.model_folder(None) == tmp_path
+    assert asked == [builtin_path(SMOLLM2)]
+    assert bench_stream.model_folder(Path("demo")) == bench_stream.DEMO_TARGET
+    assert bench_stream.model_folder(tmp_path / "mine") == tmp_path / "mine"

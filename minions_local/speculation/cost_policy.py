@@ -130,18 +130,19 @@ class CostModelBudget:
         return self._chosen[key]
 
     def _split(self, mix: tuple[tuple[int, str], ...]) -> list[StepBudget]:
-        """Each request's tree family is its lone best tree's depth (a request whose
-        trees do not pay alone gets shallow ones to weigh); the split picks the sizes."""
+        """Each request weighs the trees of its lone best tree's family (that depth),
+        up to that tree's size: a pass the others already pay for leaves a tree less to
+        amortize, so sharing never makes a bigger tree pay than alone (and a request
+        whose trees do not pay alone decodes without one)."""
         curves, depth_tables = [], []
         for cap, regime in mix:
-            if cap == 0:
+            alone = self._chosen.setdefault((cap, regime), self._best(cap, regime)) if cap else None
+            if alone is None or alone.nodes == 0:
                 curves.append(TreeCurve((0.0,), (0.0,)))
                 depth_tables.append((0,))
                 continue
-            alone = self._chosen.setdefault((cap, regime), self._best(cap, regime))
-            family = alone.depth if alone.nodes else min(cap, 4)
-            gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), self.max_nodes, family, self.top_k,
-                                                  self.decays[regime])
+            gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), alone.nodes, alone.depth,
+                                                  self.top_k, self.decays[regime])
             expected = self._expected_model(regime)
             grow = [0.0] + [expected.t_grow(n, depths[n]) for n in range(1, len(gains))]
             curves.append(TreeCurve(gains, grow))

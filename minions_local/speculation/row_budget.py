@@ -12,10 +12,11 @@ Growing is summed because the minions grow one request's tree after another on t
 same cores; the verify term counts every request's root as a row. A request whose
 tree does not pay keeps n_r = 0: plain decoding inside the shared pass.
 
-The search is greedy over increments: from no trees at all, it repeatedly takes the
-one enlargement (any request, by 1, 2, 4, ... nodes) that raises the rate most, and
-stops when none does. Doubling steps let it jump over a minion pass's fixed cost,
-which a one-node step alone would never find worth paying.
+The search is a greedy walk: from no trees at all, it repeatedly takes the one move
+(any request's tree, larger or smaller by 1, 2, 4, ... nodes) that raises the rate
+most, and stops when none does. Doubling steps let it jump over a minion pass's fixed
+cost, which a one-node step alone would never find worth paying; shrinking moves undo
+an early enlargement that later ones made a poor use of the pass.
 """
 
 from __future__ import annotations
@@ -54,13 +55,10 @@ def split_rows(curves: Sequence[TreeCurve], verify: Callable[[int], float]) -> l
         pick, pick_rate = None, best * (1 + 1e-9)
         for r, c in enumerate(curves):
             n = nodes[r]
-            step = 1
-            while n + step <= c.max_nodes:
-                m = n + step
-                trial = rate(tokens + c.gains[m] - c.gains[n], growing + c.grow[m] - c.grow[n], rows + step)
+            for m in _moves(n, c.max_nodes):
+                trial = rate(tokens + c.gains[m] - c.gains[n], growing + c.grow[m] - c.grow[n], rows + m - n)
                 if trial > pick_rate:
                     pick, pick_rate = (r, m), trial
-                step *= 2
         if pick is None:
             return nodes
         r, m = pick
@@ -70,3 +68,12 @@ def split_rows(curves: Sequence[TreeCurve], verify: Callable[[int], float]) -> l
         rows += m - nodes[r]
         nodes[r] = m
         best = pick_rate
+
+
+def _moves(n: int, most: int) -> list[int]:
+    """Sizes one move may take a tree of n nodes to: n +- 1, 2, 4, ... within 0..most."""
+    out, step = [], 1
+    while n + step <= most or n - step >= 0:
+        out += [m for m in (n + step, n - step) if 0 <= m <= most]
+        step *= 2
+    return out

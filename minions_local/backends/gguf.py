@@ -5,21 +5,21 @@ tree would cost one evaluation (plus a KV rollback) per branch. llama.cpp's KV c
 instead tags every cell with a set of sequence ids and lets a token attend only to
 cells of its own sequence, which is exactly a tree mask:
 
-  * the committed prefix lives in sequence 0;
+  * the committed prefix lives in one sequence (0 for a minion serving one request);
   * each expanded tree node n gets its own sequence s(n). Before n runs,
     `seq_cp(s(parent), s(n))` adds s(n) to every cell of the parent's path (prefix,
     ancestors, parent), so n sees its path and nothing else;
   * a whole frontier (`budget.width` nodes) then runs in ONE `llama_decode` batch.
 
-After verification the accepted path is kept without re-running it: `seq_keep` on
-the deepest accepted node's sequence drops every other branch, and that sequence is
-renamed 0. Any other context (rollback, a new chat turn) keeps the longest common
-prefix of sequence 0 and runs the rest. The KV cache must be *unified* (one buffer
+After verification the accepted path is kept without re-running it: every other
+branch's sequence is removed, and the deepest accepted node's sequence is copied into
+the prefix's. Any other context (rollback, a new chat turn) keeps the longest common
+prefix of the prefix sequence and runs the rest. The KV cache must be *unified* (one buffer
 for all sequences), or llama.cpp would give each sequence its own slice and copy.
 
 Growing ahead (speculation/ahead.py): while the target verifies, the same frontier
 goes on growing below the step's tree. If the accepted path ends on a node that ran
-(the bonus token included), commit() folds that path into sequence 0 and keeps the
+(the bonus token included), commit() folds that path into the prefix and keeps the
 sequences below it: the next grow starts from that subtree and its waiting
 candidates, as if it had grown them itself.
 
@@ -31,11 +31,14 @@ q3_k_m substitute, T=0.7, 7 chat prompts x 96 tokens, drawn against top tokens,
 interleaved, four runs: 3.41-3.83 -> 3.65-4.53 tokens per pass, 1.05-1.29x tok/s
 (mean 1.17x). Such a tree is not grown ahead: its draws belong to its step.
 
-Requests (core/slots.py): each slot is its own llama.cpp context on the one loaded
-model, so every sequence id, KV cell and logits row above belongs to one request and
-a request's trees are what they would be alone. A context is not free (`slot_bytes`):
-236 MiB for the default substitute, most of it the logits rows and the compute buffer
-sized for 256 sequences and 512-token prompt chunks, not the KV cache.
+Requests (core/slots.py): each slot owns a block of sequence ids in a llama.cpp
+context on the one loaded model (backends/llama_context.py), so every sequence, KV
+cell and logits row above belongs to one request, and a request's trees are what
+they would be alone. By default each request has a context of its own, which is not
+free (`slot_bytes`): 236 MiB for the default substitute, most of it the logits rows
+and the compute buffer sized for 256 sequences and 512-token prompt chunks, and
+~0.2 s to make. With `requests_per_context` > 1 requests share a context, those
+costs once, and `grow_batch` runs one pass per tree level for all of them.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from minions_local.core.errors import MemoryPlanError, ModelLoadError, Vocabular
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
 from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children
+from minions_local.backends.llama_context import LlamaContext
 
 _INSTALL_HINT = (
     "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
@@ -138,24 +142,32 @@ class GGUFMinion(SlotStates):
         tree_runs: most tree nodes run per grow (<= 255, one llama.cpp sequence each).
             llama.cpp keeps a vocabulary-sized logits row per sequence: 255 rows of a
             150k vocabulary are 150 MB, so lower it for large vocabularies.
+        requests_per_context: requests (slots) that share one llama.cpp context, and so
+            its passes in grow_batch (default 1: a context per request). The 256
+            sequence ids are split between them, so each runs at most 256 // this - 1
+            tree nodes per grow; the KV cache holds n_ctx tokens for each.
     """
 
     depth_is_free = False  # a deeper tree takes more llama_decode passes
     grows_ahead = True
-    SLOT_FIELDS = ("_ctx", "_mem", "_batch", "_threads_now", "_prefix", "_tree", "_frontier", "_node_seq", "_unrun")
-    """A request's own llama.cpp context (KV cache, sequence ids, logits) and what it holds."""
+    SLOT_FIELDS = ("_block", "_prefix", "_tree", "_frontier", "_node_seq", "_unrun")
+    """A request's sequence ids in a llama.cpp context, and what they hold."""
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
                  n_batch: int = 512, n_threads: int | None = None, kv_type: str = "f16",
-                 n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1, grow_threads: int | None = None) -> None:
+                 n_gpu_layers: int = 0, tree_runs: int = _MAX_SEQUENCES - 1, grow_threads: int | None = None,
+                 requests_per_context: int = 1) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise ModelLoadError(f"GGUF minion {self.path} does not exist: check the path.")
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
+        if not 1 <= requests_per_context <= _MAX_SEQUENCES // 2:
+            raise ValueError(f"requests_per_context must be 1 to {_MAX_SEQUENCES // 2}, got {requests_per_context}")
         self.name = name or self.path.name.removesuffix(".gguf")
         self._lib = lib = import_llama_cpp()
-        self._model = self._ctx = self._batch = None  # so close() works after a failed load
+        self._model = None  # so close() works after a failed load
+        self._contexts: list[LlamaContext] = []
 
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
@@ -168,14 +180,15 @@ class GGUFMinion(SlotStates):
         threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         self.n_threads = threads
         self.grow_threads = grow_threads or max(threads, min(os.cpu_count() or 1, _MAX_GROW_THREADS))
+        self.requests_per_context = requests_per_context
         cparams = lib.llama_context_default_params()
         n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
-        cparams.n_ctx = n_ctx
+        cparams.n_ctx = n_ctx * requests_per_context
         cparams.n_batch = cparams.n_ubatch = n_batch
         # llama.cpp reserves at least one output row per sequence and aborts the process
         # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
-        self.tree_runs = max(1, min(tree_runs, _MAX_SEQUENCES - 1))
-        cparams.n_seq_max = self.tree_runs + 1  # + sequence 0, the committed prefix
+        self.tree_runs = max(1, min(tree_runs, _MAX_SEQUENCES // requests_per_context - 1))
+        cparams.n_seq_max = (self.tree_runs + 1) * requests_per_context  # + each request's prefix sequence
         cparams.n_outputs_max = max(n_batch, cparams.n_seq_max)
         cparams.kv_unified = True
         cparams.n_threads = cparams.n_threads_batch = threads
@@ -183,15 +196,15 @@ class GGUFMinion(SlotStates):
         cparams.no_perf = True
         if kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
             cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self._cparams = cparams  # every slot's context is made with these
+        self._cparams = cparams  # every context is made with these
         self.n_batch = n_batch
-        self._slot_buffers: dict[str, int] = {}  # what llama.cpp reported allocating for one context
+        self._context_buffers: dict[str, int] = {}  # what llama.cpp reported allocating for one context
         try:
-            self.__dict__.update(self.fresh_slot_state())  # slot 0's context
+            self.__dict__.update(self.fresh_slot_state())  # slot 0's
         except ModelLoadError:
             self.close()
             raise
-        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.n_ctx = int(lib.llama_n_ctx(self._block.context.ctx)) // requests_per_context
         # Shared by every slot: a pass takes the same time whichever request runs it, and
         # the count is a statistic of the minion.
         self._ahead_pass = 0.0  # seconds a pass takes while growing ahead (a running average)
@@ -205,32 +218,7 @@ class GGUFMinion(SlotStates):
     # --- the Minion protocol ------------------------------------------------------------
 
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
-        if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
-            return CandidateTree()  # past this minion's window it abstains; the target decides alone
-        self._use_threads(self.grow_threads)
-        try:
-            return self._grow(context, budget)
-        finally:
-            self._use_threads(self.n_threads)
-
-    def _grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
-        frontier = self._frontier
-        sampling = budget.sampling is not None
-        if frontier is not None and self._prefix == list(context) and not sampling and not frontier.ranked:
-            # Grown ahead during the last verification and carried over by commit():
-            # the tree below this root is partly grown already, its KV cells in place.
-            # (Sampled trees, this one or the carried one, start afresh: their draws
-            # come from their own step's generator.)
-            frontier.budget = budget
-        else:
-            root_logits = self.prefill(context)
-            # Sampled: children are drawn and ranked by draw order, so the tree's shape
-            # never depends on what was drawn (frontier.py, accept.py).
-            frontier = self._frontier = Frontier(CandidateTree(), budget, ranked=sampling)
-            self._tree = frontier.tree
-            self._offer(frontier, root_logits[None, :], [-1])
-        self._extend(frontier)
-        return _proposal(frontier, budget)
+        return self.grow_batch([(self.slot, context, budget)])[0]
 
     def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
         """Go on growing the last tree, best first, while the target verifies it: the
@@ -242,7 +230,7 @@ class GGUFMinion(SlotStates):
             return 0
         before = len(frontier.tree)
         frontier.budget = budget
-        self._extend(frontier, window)
+        self._run_levels([self.slot], window)
         return len(frontier.tree) - before
 
     def commit(self, accepted: list[int]) -> None:
@@ -253,31 +241,55 @@ class GGUFMinion(SlotStates):
             self._keep_tree_path(self._prefix + list(accepted))
 
     def reset(self) -> None:
-        self._lib.llama_memory_clear(self._mem, True)
+        lib, block = self._lib, self._block
+        for seq in {block.first, *self._node_seq.values()}:  # every sequence holding a cell
+            lib.llama_memory_seq_rm(block.context.mem, seq, -1, -1)
         self._prefix = []
         self._forget_tree()
+
+    # --- many requests ------------------------------------------------------------------
+
+    def grow_batch(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> list[CandidateTree]:
+        """Grow several requests' trees, given as (slot, context, budget): the requests
+        whose slots share a llama.cpp context share its passes (their new prompt
+        tokens in one, then one per tree level with every request's next nodes). Each
+        tree is the one grow() would give on its slot alone. The slot in use stays."""
+        trees: list[CandidateTree | None] = [None] * len(requests)
+        growing: dict[LlamaContext, list[int]] = {}
+        back = self.slot
+        for i, (slot, context, budget) in enumerate(requests):
+            self.use_slot(slot)
+            if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
+                trees[i] = CandidateTree()  # past this minion's window it abstains; the target decides alone
+            else:
+                growing.setdefault(self._block.context, []).append(i)
+        try:
+            for llama, members in growing.items():
+                llama.use_threads(self.grow_threads)
+                try:
+                    self._start_trees([requests[i] for i in members])
+                    self._run_levels([requests[i][0] for i in members])
+                finally:
+                    llama.use_threads(self.n_threads)
+                for i in members:
+                    self.use_slot(requests[i][0])
+                    trees[i] = _proposal(self._frontier, requests[i][2])
+        finally:
+            self.use_slot(back)
+        return trees
 
     # --- one state per request (core/slots.py) ------------------------------------------
 
     def fresh_slot_state(self) -> dict[str, Any]:
-        """A new llama.cpp context on the loaded model (the weights are shared): its own
-        KV cache, sequence ids and logits, so one request's tree never meets another's."""
-        lib, first = self._lib, not self._slot_buffers
-        with _buffer_report() as buffers:
-            ctx = lib.llama_init_from_model(self._model, self._cparams)
-        if not ctx:
-            if first:
-                raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
-                                     f"(n_ctx={self._cparams.n_ctx}): try a smaller n_ctx.")
-            raise MemoryPlanError(f"llama.cpp could not create another context for {self.path}: each request "
-                                  f"holds its own ({self.slot_bytes() / 2**20:.0f} MiB). Serve fewer requests "
-                                  f"at once, or give the minion a smaller n_ctx.")
-        if first:
-            self._slot_buffers = buffers
+        """A free block of sequence ids in a context on the loaded model (the weights are
+        shared), in a new context when every block is held: one request's tree never
+        meets another's."""
+        block = next(filter(None, (c.take() for c in self._contexts)), None)
+        if block is None:
+            block = self._new_context().take()
         return super().fresh_slot_state() | {
-            "_ctx": ctx, "_mem": lib.llama_get_memory(ctx), "_batch": lib.llama_batch_init(self.n_batch, 0, 1),
-            "_threads_now": self.n_threads,
-            "_prefix": [],  # tokens held in sequence 0, at positions 0..len-1
+            "_block": block,
+            "_prefix": [],  # tokens held in the block's first sequence, at positions 0..len-1
             "_tree": None,  # the last grown tree below _prefix[-1] ...
             "_frontier": None,  # ... the candidates waiting to join it ...
             "_node_seq": {},  # ... the sequence of each node that ran ...
@@ -285,60 +297,56 @@ class GGUFMinion(SlotStates):
         }
 
     def release_slot_state(self, state: dict[str, Any]) -> None:
-        lib = self._lib
-        if state.get("_batch") is not None:
-            lib.llama_batch_free(state["_batch"])
-        if state.get("_ctx"):
-            lib.llama_free(state["_ctx"])
+        """Free the slot's block, and its context once no request holds a block of it."""
+        block = state["_block"]
+        llama = block.context
+        if llama.blocks == 1:
+            llama.close()  # its only block: the cells go with it
+        else:
+            llama.give_back(block)
+            if llama.idle:
+                llama.close()
+        if llama.ctx is None:
+            self._contexts.remove(llama)
 
     def drop_slot(self, slot: int) -> None:
-        """Forget `slot`'s request and free its context. The slot in use keeps its
-        context, emptied: a new one would cost what the old one frees."""
+        """Forget `slot`'s request and free its block (its context once no request holds
+        one). The slot in use keeps its block, emptied: a new one would cost what the
+        old one frees."""
         if slot == self.slot:
             self.reset()
         else:
             super().drop_slot(slot)
 
     def slot_bytes(self) -> int:
-        """Bytes one more request (slot) costs: its context's KV cache, logits rows and
-        compute buffer, as llama.cpp reported them for the first context. For the
+        """Bytes one more request (slot) costs: a context's KV cache, logits rows and
+        compute buffer, as llama.cpp reported them, over the requests it holds. For the
         default q3_k_m SmolLM2 substitute (n_ctx 4096, f16 KV, 256 sequences, 49k
-        vocabulary): 90 MiB of KV + 48 of logits + 98 of compute = 236 MiB."""
-        return sum(self._slot_buffers.values())
+        vocabulary), one request per context: 90 MiB of KV + 48 of logits + 98 of
+        compute = 236 MiB."""
+        return -(-sum(self._context_buffers.values()) // self.requests_per_context)
 
     # --- model access -------------------------------------------------------------------
 
     def prefill(self, context: Sequence[int]) -> np.ndarray:
-        """Bring sequence 0 to `context` (reusing the longest cached prefix) and return
-        the logits after its last token, the tree root."""
-        if not context:
-            raise ValueError("a minion needs at least one context token (the tree root)")
-        if len(context) > self.n_ctx:  # grow() abstains before this happens
-            raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
-        self._keep_tree_path(context)
-        keep = min(common_prefix_len(self._prefix, context), len(context) - 1)  # the root always runs
-        if keep < len(self._prefix):
-            self._lib.llama_memory_seq_rm(self._mem, 0, keep, -1)
-            del self._prefix[keep:]
-        pending = [int(t) for t in context[keep:]]
-        logits = None
-        for start in range(0, len(pending), self.n_batch):
-            chunk = pending[start:start + self.n_batch]
-            logits = self._decode(chunk, list(range(keep + start, keep + start + len(chunk))), [0] * len(chunk),
-                                  all_logits=False)
+        """Bring the slot's first sequence to `context` (reusing the longest cached
+        prefix) and return the logits after its last token, the tree root."""
+        pending = self._prefill_plan(context)
+        first = self._block.first
+        logits = self._decode(pending, list(range(len(self._prefix), len(self._prefix) + len(pending))),
+                              [first] * len(pending), [i == len(pending) - 1 for i in range(len(pending))])
         self._prefix.extend(pending)
         return logits[-1]
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits after every token of `tokens`, computed from scratch ([len, vocab])."""
         self.reset()
-        rows = []
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = [int(t) for t in tokens[start:start + self.n_batch]]
-            rows.append(self._decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
-                                     all_logits=True))
-        self.reset()
-        return np.concatenate(rows)
+        tokens = [int(t) for t in tokens]
+        try:
+            return self._decode(tokens, list(range(len(tokens))), [self._block.first] * len(tokens),
+                                [True] * len(tokens))
+        finally:
+            self.reset()
 
     def token_texts(self) -> list[str]:
         """Every token's text as stored in the GGUF (byte-level BPE strings, like HF's
@@ -363,15 +371,15 @@ class GGUFMinion(SlotStates):
                                           f"{problem}. Export it from a model with the target's tokenizer.")
 
     def close(self) -> None:
-        """Free every slot's context, then the model."""
-        lib = self._lib
+        """Free every context (every slot's), then the model."""
         for slot in self.slots_held():
             if slot != self.slot:
                 self.drop_slot(slot)
-        self.release_slot_state({"_ctx": self._ctx, "_batch": self._batch})
-        self._ctx = self._batch = self._mem = None
+        for llama in self._contexts:
+            llama.close()
+        self._contexts = []
         if self._model:
-            lib.llama_model_free(self._model)
+            self._lib.llama_model_free(self._model)
             self._model = None
 
     def __del__(self) -> None:
@@ -382,10 +390,79 @@ class GGUFMinion(SlotStates):
 
     # --- internals ----------------------------------------------------------------------
 
+    def _new_context(self) -> LlamaContext:
+        lib, first = self._lib, not self._context_buffers
+        with _buffer_report() as buffers:
+            ctx = lib.llama_init_from_model(self._model, self._cparams)
+        if not ctx:
+            if first:
+                raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
+                                     f"(n_ctx={self._cparams.n_ctx}): try a smaller n_ctx.")
+            raise MemoryPlanError(f"llama.cpp could not create another context for {self.path} "
+                                  f"({sum(self._context_buffers.values()) / 2**20:.0f} MiB). Serve fewer requests "
+                                  f"at once, or give the minion a smaller n_ctx.")
+        if first:
+            self._context_buffers = buffers
+        llama = LlamaContext(lib, ctx, blocks=self.requests_per_context, n_batch=self.n_batch,
+                             vocab_size=self.vocab_size, threads=self.n_threads)
+        self._contexts.append(llama)
+        return llama
+
+    def _start_trees(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> None:
+        """Give each request (all in one context) its tree's root: the tree carried over
+        from growing ahead, or a new one from its prompt, every prompt's new tokens
+        in one pass."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        outputs: list[bool] = []
+        fresh = []
+        for slot, context, budget in requests:
+            self.use_slot(slot)
+            frontier, sampling = self._frontier, budget.sampling is not None
+            if frontier is not None and self._prefix == list(context) and not sampling and not frontier.ranked:
+                # Grown ahead during the last verification and carried over by commit():
+                # the tree below this root is partly grown already, its KV cells in place.
+                # (Sampled trees, this one or the carried one, start afresh: their draws
+                # come from their own step's generator.)
+                frontier.budget = budget
+                continue
+            pending = self._prefill_plan(context)
+            tokens += pending
+            positions += range(len(self._prefix), len(self._prefix) + len(pending))
+            seqs += [self._block.first] * len(pending)
+            outputs += [False] * (len(pending) - 1) + [True]
+            fresh.append((slot, budget, pending))
+        if not fresh:
+            return
+        roots = self._decode(tokens, positions, seqs, outputs, slots=[slot for slot, _, _ in fresh])
+        for (slot, budget, pending), root_logits in zip(fresh, roots):
+            self.use_slot(slot)
+            self._prefix.extend(pending)
+            # Sampled: children are drawn and ranked by draw order, so the tree's shape
+            # never depends on what was drawn (frontier.py, accept.py).
+            frontier = self._frontier = Frontier(CandidateTree(), budget, ranked=budget.sampling is not None)
+            self._tree = frontier.tree
+            self._offer(frontier, root_logits[None, :], [-1])
+
+    def _prefill_plan(self, context: Sequence[int]) -> list[int]:
+        """Keep the longest cached prefix of `context` in the slot's first sequence and
+        return the tokens still to run there (the root always runs)."""
+        if not context:
+            raise ValueError("a minion needs at least one context token (the tree root)")
+        if len(context) > self.n_ctx:  # grow() abstains before this happens
+            raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
+        self._keep_tree_path(context)
+        keep = min(common_prefix_len(self._prefix, context), len(context) - 1)
+        if keep < len(self._prefix):
+            self._lib.llama_memory_seq_rm(self._block.context.mem, self._block.first, keep, -1)
+            del self._prefix[keep:]
+        return [int(t) for t in context[keep:]]
+
     def _keep_tree_path(self, context: Sequence[int]) -> None:
-        """Fold the longest path of the last tree that `context` follows into sequence 0
-        and drop every other tree cell."""
-        tree, lib = self._tree, self._lib
+        """Fold the longest path of the last tree that `context` follows into the first
+        sequence and drop every other tree cell."""
+        tree, lib, block = self._tree, self._lib, self._block
         if tree is None:
             return
         node, i = -1, len(self._prefix)
@@ -396,21 +473,15 @@ class GGUFMinion(SlotStates):
             while i < len(context) and (node, int(context[i])) in children:
                 node = children[(node, int(context[i]))]
                 i += 1
-        if node >= 0:
-            seq = self._node_seq[node]
-            lib.llama_memory_seq_keep(self._mem, seq)
-            lib.llama_memory_seq_cp(self._mem, seq, 0, -1, -1)
-            lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        kept = self._node_seq.get(node)
+        for seq in self._node_seq.values():  # other requests' sequences share the cache: only ours go
+            if seq != kept:
+                lib.llama_memory_seq_rm(block.context.mem, seq, -1, -1)
+        if kept is not None:
+            lib.llama_memory_seq_cp(block.context.mem, kept, block.first, -1, -1)
+            lib.llama_memory_seq_rm(block.context.mem, kept, -1, -1)
             self._prefix.extend(int(t) for t in context[len(self._prefix):i])
-        else:
-            lib.llama_memory_seq_keep(self._mem, 0)
         self._forget_tree()
-
-    def _use_threads(self, threads: int) -> None:
-        """llama.cpp's thread count for the passes that follow (grow or background)."""
-        if threads != self._threads_now:
-            self._lib.llama_set_n_threads(self._ctx, threads, threads)
-            self._threads_now = threads
 
     def _forget_tree(self) -> None:
         self._tree = self._frontier = None
@@ -420,7 +491,7 @@ class GGUFMinion(SlotStates):
     def _carry(self, accepted: Sequence[int]) -> bool:
         """If the accepted tokens, bonus included, are a path of the last tree whose
         last node ran, make the subtree below it the tree of the next step."""
-        tree, frontier, lib = self._tree, self._frontier, self._lib
+        tree, frontier, lib, mem = self._tree, self._frontier, self._lib, self._block.context.mem
         if tree is None or frontier is None or not accepted:
             return False
         children = {(tree.parents[n], tree.tokens[n]): n for n in range(len(tree))}
@@ -433,10 +504,10 @@ class GGUFMinion(SlotStates):
             return False
         frontier, inside = frontier.reroot(node)
         seq = self._node_seq[node]
-        lib.llama_memory_seq_cp(self._mem, seq, 0, -1, -1)  # the accepted path joins the prefix
+        lib.llama_memory_seq_cp(mem, seq, self._block.first, -1, -1)  # the accepted path joins the prefix
         for n, s in self._node_seq.items():
             if n not in inside or n == node:  # its descendants' cells keep their own sequences
-                lib.llama_memory_seq_rm(self._mem, s, -1, -1)
+                lib.llama_memory_seq_rm(mem, s, -1, -1)
         self._prefix.extend(int(t) for t in accepted)
         self._frontier, self._tree = frontier, frontier.tree
         self._node_seq = {inside[n]: s for n, s in self._node_seq.items() if n in inside and n != node}
@@ -444,46 +515,70 @@ class GGUFMinion(SlotStates):
         self.carries += 1
         return True
 
-    def _extend(self, frontier: Frontier, window: AheadWindow | None = None) -> None:
-        """Run the tree's best nodes, one batch of `budget.width` per llama_decode, until
-        the tree is full, nothing is worth running, or (growing ahead) `window` closes."""
-        tree = frontier.tree
-        used = set(self._node_seq.values())
-        free = [s for s in range(1, self.tree_runs + 1) if s not in used]
-        free.reverse()  # lowest first, as pop() takes them
-        root_pos = len(self._prefix) - 1
+    def _run_levels(self, slots: list[int], window: AheadWindow | None = None) -> None:
+        """Run the best nodes of the slots' trees (all in one context), one pass per
+        level holding each tree's next `budget.width` nodes, until every tree is full
+        or has nothing worth running, or (growing ahead) `window` closes."""
         # Nodes that did not run before but may now (under a larger budget: ahead, or in
         # the next step) go first: they are in the tree, so they rank above anything
         # waiting. Under one budget a node once skipped stays skipped (Frontier.
         # worth_running), so they are looked for once per call, and a fresh grow finds
         # none: its tree is as before.
-        retry = frontier.worth_running(self._unrun)
-        while window is None or window.allows(self._ahead_pass):
-            # Each node that runs takes one KV cell and one sequence id.
-            room = min(len(free), self.n_ctx - len(self._prefix) - len(self._node_seq), self.n_batch)
-            batch = retry[:min(frontier.budget.width, room)] if room > 0 else []
-            if batch:
-                retry = retry[len(batch):]
-                self._unrun = [n for n in self._unrun if n not in batch]
-            elif frontier.can_take():
-                taken = frontier.take()  # out of cells or sequence ids, they still join, unrun
-                batch = frontier.worth_running(taken)[:max(room, 0)]
-                self._unrun.extend(n for n in taken if n not in batch)
-            else:
-                return
-            if not batch:
+        retry = {}
+        for slot in slots:
+            self.use_slot(slot)
+            retry[slot] = self._frontier.worth_running(self._unrun)
+        active = list(slots)
+        while active and (window is None or window.allows(self._ahead_pass)):
+            rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+            passes = []
+            for slot in list(active):
+                self.use_slot(slot)
+                batch, retry[slot] = self._next_nodes(retry[slot])
+                if batch is None:
+                    active.remove(slot)
+                elif batch:
+                    passes.append((slot, batch))
+                    tree, depths, root_pos = self._tree, self._frontier.depths, len(self._prefix) - 1
+                    rows[0].extend(tree.tokens[n] for n in batch)
+                    rows[1].extend(root_pos + depths[n] for n in batch)
+                    rows[2].extend(self._node_seq[n] for n in batch)
+            if not passes:
                 continue
-            for node in batch:
-                self._node_seq[node] = free.pop()
-                parent_seq = self._node_seq.get(tree.parents[node], 0)
-                self._lib.llama_memory_seq_cp(self._mem, parent_seq, self._node_seq[node], -1, -1)
             start = time.perf_counter()
-            logits = self._decode([tree.tokens[n] for n in batch],
-                                  [root_pos + frontier.depths[n] for n in batch],
-                                  [self._node_seq[n] for n in batch], all_logits=True)
+            logits = self._decode(*rows, [True] * len(rows[0]), slots=[slot for slot, _ in passes])
             if window is not None:
                 self._ahead_pass += 0.25 * (time.perf_counter() - start - self._ahead_pass)
-            self._offer(frontier, logits, batch)
+            row = 0
+            for slot, batch in passes:
+                self.use_slot(slot)
+                self._offer(self._frontier, logits[row:row + len(batch)], batch)
+                row += len(batch)
+
+    def _next_nodes(self, retry: list[int]) -> tuple[list[int] | None, list[int]]:
+        """The nodes of the slot's next pass, each given a sequence that sees its path
+        (empty when the nodes taken cannot run; None when the tree is done), and the
+        nodes still to retry."""
+        frontier, block = self._frontier, self._block
+        used = set(self._node_seq.values())
+        free = [s for s in reversed(block.tree_seqs) if s not in used]  # pop() takes the lowest
+        # Each node that runs takes one KV cell and one sequence id.
+        room = min(len(free), self.n_ctx - len(self._prefix) - len(self._node_seq), self.n_batch)
+        batch = retry[:min(frontier.budget.width, room)] if room > 0 else []
+        if batch:
+            retry = retry[len(batch):]
+            self._unrun = [n for n in self._unrun if n not in batch]
+        elif frontier.can_take():
+            taken = frontier.take()  # out of cells or sequence ids, they still join, unrun
+            batch = frontier.worth_running(taken)[:max(room, 0)]
+            self._unrun.extend(n for n in taken if n not in batch)
+        else:
+            return None, retry
+        for node in batch:
+            self._node_seq[node] = free.pop()
+            parent_seq = self._node_seq.get(self._tree.parents[node], block.first)
+            self._lib.llama_memory_seq_cp(block.context.mem, parent_seq, self._node_seq[node], -1, -1)
+        return batch, retry
 
     @staticmethod
     def _offer(frontier: Frontier, logits: np.ndarray, parents: list[int]) -> None:
@@ -497,29 +592,20 @@ class GGUFMinion(SlotStates):
         for row, parent in enumerate(parents):
             frontier.offer(parent, zip(tokens[row].tolist(), logprobs[row].tolist()))
 
-    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], *, all_logits: bool) -> np.ndarray:
-        """One llama_decode; logits of every token (all_logits) or of the last one."""
-        lib, batch, n = self._lib, self._batch, len(tokens)
-        batch.n_tokens = n
-        for i, (token, pos, seq) in enumerate(zip(tokens, positions, seqs)):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = all_logits or i == n - 1
-        status = lib.llama_decode(self._ctx, batch)
-        if status != 0:
-            # 1 = no KV slot; anything else is an internal error. Either way the cache
-            # may be half-written: start clean next time.
-            self.reset()
-            raise RuntimeError(f"llama_decode failed with status {status} for {self.path} "
-                               f"({n} tokens, n_ctx={self.n_ctx})")
-        rows = range(n) if all_logits else [n - 1]
-        out = np.empty((len(rows), self.vocab_size), dtype=np.float32)
-        for r, i in enumerate(rows):
-            ptr = lib.llama_get_logits_ith(self._ctx, i)
-            out[r] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
-        return out
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool], *,
+                slots: list[int] | None = None) -> np.ndarray:
+        """Run tokens of the slots' sequences (default: the slot in use) in their shared
+        context; the logits of those marked in `outputs`."""
+        try:
+            return self._block.context.decode(tokens, positions, seqs, outputs)
+        except RuntimeError as err:
+            # The cells the pass wrote may be half-written: those slots start clean.
+            back = self.slot
+            for slot in slots or [back]:
+                self.use_slot(slot)
+                self.reset()
+            self.use_slot(back)
+            raise RuntimeError(f"{err} for {self.path} (n_ctx={self.n_ctx} per request)") from None
 
 
 def _proposal(frontier: Frontier, budget: GrowBudget) -> CandidateTree:

@@ -77,9 +77,13 @@ def test_interleaved_requests_grow_what_they_grow_alone(demo_gguf, prompts):
     minion.close()
 
 
-def test_a_dropped_slot_frees_its_context_and_starts_fresh(demo_gguf, prompts):
+def test_a_dropped_slot_frees_its_context_and_starts_fresh(demo_gguf, prompts, monkeypatch):
+    from minions_local.backends import gguf
+
+    lib = ContextCount(gguf.import_llama_cpp(), live=0)
+    monkeypatch.setattr(gguf, "_llama", lib)
     minion = _minion(demo_gguf)
-    lib = minion._lib = ContextCount(minion._lib, live=1)
+    assert lib.live == 1
     budget = GrowBudget(max_nodes=8, max_depth=3, width=2, top_k=3)
     conversation = minion.grow(prompts[0], budget)
     for slot, prompt in ((1, prompts[1]), (2, prompts[2])):
@@ -112,12 +116,103 @@ def test_slot_bytes_is_what_one_context_allocates(demo_gguf):
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv = N_CTX * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
     minion = _minion(demo_gguf)
-    assert minion._slot_buffers["KV"] == kv
-    assert minion._slot_buffers["output"] == 256 * config["vocab_size"] * 4  # a logits row per sequence
-    assert minion._slot_buffers["compute"] > 0
-    assert minion.slot_bytes() == sum(minion._slot_buffers.values())
+    assert minion._context_buffers["KV"] == kv
+    assert minion._context_buffers["output"] == 256 * config["vocab_size"] * 4  # a logits row per sequence
+    assert minion._context_buffers["compute"] > 0
+    assert minion.slot_bytes() == sum(minion._context_buffers.values())
     narrow = GGUFMinion(demo_gguf, n_ctx=N_CTX, tree_runs=15)
-    assert narrow._slot_buffers["output"] == 16 * config["vocab_size"] * 4
+    assert narrow._context_buffers["output"] == 16 * config["vocab_size"] * 4
     assert narrow.slot_bytes() < minion.slot_bytes()
+    shared = GGUFMinion(demo_gguf, n_ctx=N_CTX, requests_per_context=4)  # logits and compute paid once
+    assert shared._context_buffers["KV"] == 4 * kv
+    assert shared._context_buffers["output"] == 256 * config["vocab_size"] * 4
+    assert shared.slot_bytes() == -(-sum(shared._context_buffers.values()) // 4) < minion.slot_bytes()
+    for m in (minion, narrow, shared):
+        m.close()
+
+
+def _batched(minion, requests: dict[int, Request]) -> dict[int, list]:
+    """The requests' steps as a batched step runs them, every grow in one grow_batch."""
+    from minions_local.core.protocols import AheadWindow
+    from tests.helpers.slots import accepted_tokens
+
+    contexts = {slot: list(r.prompt) for slot, r in requests.items()}
+    trees: dict[int, list] = {slot: [] for slot in requests}
+    for step in range(max(r.steps for r in requests.values())):
+        slots = [slot for slot, r in requests.items() if step < r.steps]
+        grown = minion.grow_batch([(slot, contexts[slot], requests[slot].budget) for slot in slots])
+        for slot, tree in zip(slots, grown):
+            trees[slot].append((list(tree.tokens), list(tree.parents), list(tree.logprobs)))
+            minion.use_slot(slot)
+            if requests[slot].ahead is not None:
+                minion.grow_ahead(requests[slot].ahead, AheadWindow())
+        for slot, tree in zip(slots, grown):
+            minion.use_slot(slot)
+            accepted = accepted_tokens(tree, step, requests[slot].prompt)
+            minion.commit(accepted)
+            contexts[slot] += accepted
+    return trees
+
+
+@pytest.mark.parametrize("per_context", [1, 3])
+def test_a_batched_grow_grows_what_each_request_grows_alone(demo_gguf, prompts, per_context):
+    """Requests sharing a context (their sequence ids split between them) and its passes:
+    each tree is the one a minion of its own grows, the shorter request leaving early,
+    the ahead-grown subtrees carried. A context of its own gives bit-identical trees;
+    a shared pass has more rows, for which llama.cpp may sum in another order: the
+    log-probabilities then agree to float32 rounding (measured: 6e-5 at -6.2)."""
+    from minions_local.backends.gguf import GGUFMinion
+
+    budget, ahead = GrowBudget(max_nodes=10, max_depth=4, width=3, top_k=3), GrowBudget(24, 6, width=3, top_k=3)
+    requests = {slot: Request(prompt, steps=4 - (slot == 2), budget=budget, ahead=ahead)
+                for slot, prompt in enumerate(prompts)}
+
+    def make():
+        return GGUFMinion(demo_gguf, n_ctx=N_CTX, requests_per_context=per_context)
+
+    expected = {slot: alone(make, r) for slot, r in requests.items()}
+    minion = make()
+    assert minion.tree_runs == 256 // per_context - 1
+    got = _batched(minion, requests)
+    assert len(minion._contexts) == 1 + 2 // per_context * (per_context == 1)
+    assert minion.carries > 0
+    for slot in requests:
+        assert len(got[slot]) == len(expected[slot]) == requests[slot].steps
+        for (tokens, parents, logprobs), (want_tokens, want_parents, want_logprobs) in zip(got[slot], expected[slot]):
+            assert (tokens, parents) == (want_tokens, want_parents)
+            if per_context == 1:
+                assert logprobs == want_logprobs
+            else:
+                assert logprobs == pytest.approx(want_logprobs, rel=1e-4, abs=1e-4)
     minion.close()
-    narrow.close()
+
+
+def test_requests_sharing_a_context_interleave_as_alone_and_free_it_together(demo_gguf, prompts):
+    """Two requests per context: one request's commits and resets drop only its own
+    sequences; a context is freed once neither of its requests holds it."""
+    from minions_local.backends.gguf import GGUFMinion
+
+    budget, ahead = GrowBudget(max_nodes=10, max_depth=4, width=3, top_k=3), GrowBudget(24, 6, width=3, top_k=3)
+    requests = {slot: Request(prompt, steps=4, budget=budget, ahead=ahead) for slot, prompt in enumerate(prompts)}
+
+    def make():
+        return GGUFMinion(demo_gguf, n_ctx=N_CTX, requests_per_context=2)
+
+    expected = {slot: alone(make, r) for slot, r in requests.items()}
+    minion = make()
+    got = interleaved(minion, requests)
+    for slot in requests:
+        for (tokens, parents, logprobs), (want_tokens, want_parents, want_logprobs) in zip(got[slot], expected[slot]):
+            assert (tokens, parents) == (want_tokens, want_parents)
+            assert logprobs == pytest.approx(want_logprobs, rel=1e-4, abs=1e-4)
+    assert len(minion._contexts) == 2  # slots 0 and 1 in the first, 2 in the second
+    minion.use_slot(0)
+    minion.drop_slot(2)
+    assert len(minion._contexts) == 1
+    minion.drop_slot(1)
+    assert len(minion._contexts) == 1  # slot 0 still holds it
+    minion.use_slot(3)  # takes the freed block: empty, and slot 0's cache untouched
+    assert minion._prefix == [] and len(minion._contexts) == 1
+    minion.use_slot(0)
+    assert minion._prefix[:len(prompts[0])] == prompts[0]
+    minion.close()

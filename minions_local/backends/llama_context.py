@@ -1,0 +1,110 @@
+"""A llama.cpp context that several requests of a GGUF minion share (backends/gguf.py).
+
+llama.cpp runs one batch per context, and every token of a batch names the sequences
+it belongs to: it attends only to cells of those sequences. So requests that share a
+context can share its passes: each request owns a block of sequence ids (its prefix
+sequence, then its tree sequences), and one llama_decode runs the frontier nodes of
+every request in the context.
+
+What a context costs: its KV cache holds `cells` tokens for each request it can
+hold, while the logits rows (one per sequence id) and the compute buffer are paid
+once per context, however many requests share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SeqBlock:
+    """The sequence ids one request owns in a shared context: `first` holds its
+    committed tokens, the rest one tree node each."""
+
+    context: LlamaContext
+    index: int
+    first: int
+    size: int
+
+    @property
+    def tree_seqs(self) -> range:
+        return range(self.first + 1, self.first + self.size)
+
+
+class LlamaContext:
+    """One llama.cpp context (KV cache, batch, logits) split into `blocks` blocks of
+    sequence ids, one per request. `ctx` is a context made with n_seq_max a multiple
+    of `blocks`; this object owns it from now on."""
+
+    def __init__(self, lib: Any, ctx: Any, *, blocks: int, n_batch: int, vocab_size: int, threads: int) -> None:
+        self.lib, self.ctx = lib, ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.n_batch, self.vocab_size = n_batch, vocab_size
+        self.block_size = int(lib.llama_n_seq_max(ctx)) // blocks
+        self.blocks = blocks
+        self._free = list(range(blocks - 1, -1, -1))  # pop() takes the lowest
+        self._threads = threads
+
+    @property
+    def idle(self) -> bool:
+        """No request holds a block of it."""
+        return len(self._free) == self.blocks
+
+    def take(self) -> SeqBlock | None:
+        """A free block of sequence ids, or None when every block is held."""
+        if not self._free:
+            return None
+        index = self._free.pop()
+        return SeqBlock(self, index, index * self.block_size, self.block_size)
+
+    def give_back(self, block: SeqBlock) -> None:
+        """Free a block and every cell its sequences hold."""
+        for seq in range(block.first, block.first + block.size):
+            self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self._free.append(block.index)
+        self._free.sort(reverse=True)
+
+    def use_threads(self, threads: int) -> None:
+        """llama.cpp's thread count for the passes that follow (grow or background)."""
+        if threads != self._threads:
+            self.lib.llama_set_n_threads(self.ctx, threads, threads)
+            self._threads = threads
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> np.ndarray:
+        """Run tokens (each at its position, in its sequence), n_batch per llama_decode,
+        and return the logits of those marked in `outputs`, in order ([rows, vocab]).
+        Raises RuntimeError on a failed pass: the cells it wrote may be half-written."""
+        lib, batch = self.lib, self.batch
+        out = np.empty((sum(outputs), self.vocab_size), dtype=np.float32)
+        row = 0
+        for start in range(0, len(tokens), self.n_batch):
+            end = min(start + self.n_batch, len(tokens))
+            batch.n_tokens = end - start
+            for i in range(start, end):
+                j = i - start
+                batch.token[j] = tokens[i]
+                batch.pos[j] = positions[i]
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seqs[i]
+                batch.logits[j] = outputs[i]
+            status = lib.llama_decode(self.ctx, batch)
+            if status != 0:  # 1 = no KV slot; anything else is an internal error
+                raise RuntimeError(f"llama_decode failed with status {status} ({end - start} tokens)")
+            for i in range(start, end):
+                if outputs[i]:
+                    ptr = lib.llama_get_logits_ith(self.ctx, i - start)
+                    out[row] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+                    row += 1
+        return out
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None

@@ -202,8 +202,14 @@ class Scheduler:
             if isinstance(event, StepEvent):
                 job.passes += 1
             elif isinstance(event, DoneEvent):
-                if event.generation.finish_reason == "cancelled":
+                g = event.generation
+                if g.finish_reason == "cancelled":
                     log.info("%s: cancelled after %d target passes", job.name, job.passes)
+                else:
+                    sizes = [s.batch_size for s in g.steps] or [0]
+                    log.info("%s: %d tokens in %d target passes (%.2f a pass), %.1f tok/s, batch %.1f on average "
+                             "(up to %d)", job.name, len(g.token_ids), len(g.steps), g.tokens_per_pass,
+                             g.tokens_per_second, sum(sizes) / len(sizes), max(sizes))
                 self._leave(job)
 
     def _leave(self, job: Job) -> None:

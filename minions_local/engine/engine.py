@@ -303,7 +303,8 @@ class Engine:
         from minions_local.engine.memory import slots_that_fit
 
         cap = 8 if self.decoder.target.device.type == "cpu" else 16
-        return max(1, min(cap, slots_that_fit(self)))
+        planned = getattr(self.memory_plan, "requests_that_fit", cap)
+        return max(1, min(cap, planned, slots_that_fit(self)))
 
     @staticmethod
     def _for_request(index: int, work: Callable[[], T]) -> T:

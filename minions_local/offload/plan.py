@@ -133,7 +133,32 @@ class MemoryPlan:
             if self.streamed_bytes_per_pass
             else "streamed per pass: nothing (the target is resident)"
         )
+        fit = (f"requests at once (continuous batching): {_gb(self.kv_per_request)} of KV caches each; "
+               f"{self.requests_that_fit} fit")
+        if self.resident_layers and self.streamed_bytes_per_pass and self.kv_per_request:
+            # Where resident layers fill the device, each one streamed instead frees room for more requests.
+            layer = self.resident_layer_bytes // self.resident_layers
+            fit += f" (one more takes the room of {-(-self.kv_per_request // layer)} resident layers)"
+        lines.append(fit)
         return "\n".join(lines)
+
+    @property
+    def kv_per_request(self) -> int:
+        """Cache bytes one more concurrent request needs (continuous batching: every
+        request has its own KV cache in the target and in each minion, over the whole
+        context window and a tree)."""
+        return sum(p.bytes for p in self.placements if p.what.startswith("KV cache"))
+
+    @property
+    def requests_that_fit(self) -> int:
+        """Concurrent requests whose caches fit where the first one's are placed (the
+        first is in the plan's tables already)."""
+        need = self.kv_per_request
+        if not need:
+            return 1
+        tier = next(p.tier for p in self.placements if p.what.startswith("KV cache"))
+        room = self.budgets.get(tier, 0) - self.bytes_by_tier[tier]
+        return 1 + max(0, room // need)
 
     def _layer_sum(self, tier: str) -> int:
         return sum(b for t, b in zip(self.layer_tiers, self.layer_bytes) if t == tier)

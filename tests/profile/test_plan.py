@@ -156,3 +156,19 @@ def test_cli_reports_a_profile_that_cannot_fit(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "device_memory_gb = 4.0" in err and "Change one of" in err and "Traceback" not in err
     assert main(["--plan", "cpu-demo.toml"]) == 0  # the shipped file by its file name
+
+
+def test_the_plan_counts_the_caches_of_concurrent_requests():
+    """Continuous batching: each request holds its own KV caches (target and minions);
+    the plan says how much and how many fit beside everything else."""
+    from minions_local.offload.plan import plan_memory
+    from minions_local.profile import load_profile
+
+    cpu = plan_memory(load_profile("cpu-demo-disk"))
+    caches = [p for p in cpu.placements if p.what.startswith("KV cache")]
+    assert len(caches) == 2 and cpu.kv_per_request == sum(p.bytes for p in caches)
+    room = cpu.budgets["device"] - cpu.bytes_by_tier["device"]
+    assert cpu.requests_that_fit == 1 + room // cpu.kv_per_request > 8
+    assert f"{cpu.requests_that_fit} fit" in cpu.format()
+    gpu = plan_memory(load_profile("rtx4090-70b"))  # resident layers fill the card: room for one
+    assert gpu.requests_that_fit == 1 and "resident layers)" in gpu.format()

@@ -3,8 +3,9 @@
     python scripts/bench_gguf_dequant.py [--gguf FILE] [--threads 1] [--repeats 20] [--passes 3]
 
 1. Per decoder layer of the file (default: the shipped SmolLM2 Q4_1), interleaved, best
-   of `--repeats`: our torch dequantization of the layer's blocks into float32 (what a
-   streamed pass does before each layer runs), the widening of the same weights from
+   of `--repeats`: our torch dequantization of the layer's planar packs into float32
+   (what a streamed pass does before each layer runs, offload/gguf_planar.py), the same
+   from the file's own block layout (offload/gguf_blocks.py), the widening of the same weights from
    bf16 (what today's bf16 stream does on a CPU without bf16 kernels), and the `gguf`
    package's numpy reference. Also per block type on a 576x1536 / 1536x576 matrix.
 2. Bytes per pass: the GGUF layers against the same layers in bf16.
@@ -29,6 +30,7 @@ import torch
 
 from minions_local.models.gguf_target import open_target
 from minions_local.offload.gguf_blocks import BLOCK_TYPES, dequantize
+from minions_local.offload.gguf_planar import dequantize_planar, to_planar
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -59,8 +61,13 @@ def per_layer(path: Path, repeats: int) -> dict:
     outs = [torch.empty(shape) for _, _, shape in tensors]
     widened = [torch.empty(shape, dtype=torch.bfloat16) for _, _, shape in tensors]
     arrays = [(raw.numpy(), gguf.GGMLQuantizationType[kind]) for raw, kind, _ in tensors]
+    planar = [(to_planar(raw, kind, shape), kind, shape) for raw, kind, shape in tensors]
 
     def ours():
+        for (raw, kind, shape), out in zip(planar, outs):
+            dequantize_planar(raw, kind, shape, out=out)
+
+    def file_layout():
         for (raw, kind, shape), out in zip(tensors, outs):
             dequantize(raw, kind, shape, out=out)
 
@@ -72,9 +79,10 @@ def per_layer(path: Path, repeats: int) -> dict:
         for raw, kind in arrays:
             gguf.quants.dequantize(raw, kind)
 
-    rounds = {"ours": [], "widen_bf16": [], "reference": []}
-    for _ in range(3):  # interleaved rounds: other load hits all three alike
+    rounds = {"ours": [], "file_layout": [], "widen_bf16": [], "reference": []}
+    for _ in range(3):  # interleaved rounds: other load hits all of them alike
         rounds["ours"].append(best_ms(ours, repeats))
+        rounds["file_layout"].append(best_ms(file_layout, repeats))
         rounds["widen_bf16"].append(best_ms(widen, repeats))
         rounds["reference"].append(best_ms(reference, max(2, repeats // 5)))
     weights = sum(o.numel() for o in outs)
@@ -96,9 +104,11 @@ def per_type(repeats: int) -> dict:
         else:
             raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[name]).view(np.uint8)
         flat = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+        planar = to_planar(flat, name, shape)
         dst = torch.empty(shape)
-        ms = best_ms(lambda: dequantize(flat, name, shape, out=dst), repeats)
-        out[name] = {"ms": ms, "gweights_per_s": shape[0] * shape[1] / ms / 1e6}
+        ms = best_ms(lambda: dequantize_planar(planar, name, shape, out=dst), repeats)
+        file_ms = best_ms(lambda: dequantize(flat, name, shape, out=dst), repeats)
+        out[name] = {"ms": ms, "file_layout_ms": file_ms, "gweights_per_s": shape[0] * shape[1] / ms / 1e6}
     return out
 
 
@@ -147,12 +157,14 @@ def main() -> None:
     print(f"{args.gguf.name}: {n_layers} layers, {args.threads} thread(s), {result['cpu']}")
     print(f"per layer: {layer['weights'] / 1e6:.2f} M weights, {layer['gguf_bytes'] / 1e6:.2f} MB of blocks "
           f"({layer['gguf_bytes'] / layer['bf16_bytes']:.3f} of bf16)")
-    print(f"  ours (torch, into float32)   {layer['ours_ms']:7.2f} ms   x{n_layers} = {layer['ours_ms'] * n_layers:6.1f} ms a pass")
+    print(f"  ours (planar, into float32)  {layer['ours_ms']:7.2f} ms   x{n_layers} = {layer['ours_ms'] * n_layers:6.1f} ms a pass")
+    print(f"  from the file's block layout {layer['file_layout_ms']:7.2f} ms")
     print(f"  bf16 widened to float32      {layer['widen_bf16_ms']:7.2f} ms   x{n_layers} = {layer['widen_bf16_ms'] * n_layers:6.1f} ms a pass")
     print(f"  gguf.quants reference (numpy){layer['reference_ms']:7.2f} ms")
     print(f"  ours / widening {layer['ours_ms'] / layer['widen_bf16_ms']:.2f}x, reference / ours "
           f"{layer['reference_ms'] / layer['ours_ms']:.2f}x")
-    print("per type (1536 rows):", ", ".join(f"{k} {v['ms']:.2f} ms" for k, v in types.items()))
+    print("per type (1536 rows), planar / file layout:",
+          ", ".join(f"{k} {v['ms']:.2f} / {v['file_layout_ms']:.2f} ms" for k, v in types.items()))
     if args.passes:
         result["passes"] = p = passes(args.gguf, args.passes)
         share = layer["ours_ms"] * n_layers / p["gguf_pass_ms"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
 from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, round_up
-from minions_local.offload.gguf_blocks import dequantize as gguf_dequantize
+from minions_local.offload.gguf_planar import dequantize_planar
 from minions_local.offload.quant import dequantize
 
 
@@ -99,7 +99,7 @@ def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torc
 def _bind(bindings: list[_Binding], quant: str) -> None:
     for b in bindings:
         if b.kind:
-            gguf_dequantize(b.q.reshape(-1), b.kind, b.target.shape, out=b.target)
+            dequantize_planar(b.q, b.kind, b.target.shape, out=b.target)
         elif b.q is not None:
             dequantize(b.q, b.scale, quant, out=b.target)
         b.param.data = b.target

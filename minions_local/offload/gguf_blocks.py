@@ -153,7 +153,7 @@ def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(_f16(blocks, 0))
 
 
-def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: the 8 six-bit scales and mins packed in 12 bytes, as uint8 [n, 8] each."""
     d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
@@ -164,7 +164,7 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k_affine(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
     """out = (d * scale) * q - (dmin * min) per 32-weight sub-block, q as uint8 [n, 256]."""
     n = blocks.shape[0]
-    scales, mins = _k_scales(blocks[:, 4:16])
+    scales, mins = k_scales(blocks[:, 4:16])
     step = (_f16(blocks, 0) * scales.to(torch.float32)).view(n, 8, 1)
     low = (_f16(blocks, 2) * mins.to(torch.float32)).view(n, 8, 1)
     out.copy_(q)
@@ -213,6 +213,31 @@ def _f16_weights(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _bf16(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(blocks.contiguous().view(torch.bfloat16))  # widening bf16 is a shift: exact
+
+
+def integers(raw: torch.Tensor, kind: str | int | BlockType) -> torch.Tensor:
+    """The integers a quantized tensor's blocks store, unsigned as stored (no offset
+    taken off yet; Q8_0's int8 bytes as they are), in weight order: uint8 [n, block_size].
+    What gguf_planar.py re-packs; not on any hot path."""
+    btype = block_type(kind)
+    blocks = raw.reshape(-1, btype.type_size)
+    n = blocks.shape[0]
+    if btype.name in ("Q4_0", "Q4_1"):
+        q = _small_quants(blocks, 2 if btype.name == "Q4_0" else 4)
+    elif btype.name == "Q5_0":
+        q = _small_quants(blocks, 6) | (_bits(blocks[:, 2:6], 1).transpose(1, 2).reshape(n, 32) << 4)
+    elif btype.name == "Q8_0":
+        q = blocks[:, 2:]
+    elif btype.name == "Q4_K":
+        q = _k_nibbles(blocks)
+    elif btype.name == "Q5_K":
+        q = _k_nibbles(blocks) | (_bits(blocks[:, 16:48], 1).view(n, -1) << 4)
+    elif btype.name == "Q6_K":
+        low = _gather(_split_nibbles(blocks), 0, (2, 2, 2, 32), (64, None, 32, 1))
+        q = low | (_bits(blocks[:, 128:192].reshape(n * 2, 32), 2).view(n, -1) << 4)
+    else:
+        raise ValueError(f"{btype.name} stores floats, not integers")
+    return q.reshape(n, btype.block_size).clone()  # the nibble helpers return reused workspace
 
 
 _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {

@@ -4,10 +4,11 @@ Same machinery as an HF target (streamed.py): a transformers skeleton on the met
 device (its config from the GGUF's metadata, models/gguf_target.py), resident
 embeddings, final norm and head, and per decoder layer one packed buffer moved by the
 LayerStore with prefetch. What differs is the buffer: it holds the layer's GGUF
-tensors as they are in the file (layout quant 'gguf', each piece's role its block
-type), so a pass streams ~5 bits a weight for Q4_1 instead of bf16's 16, and
-binding.py dequantizes each piece into the compute dtype (offload/gguf_blocks.py)
-right before the layer runs. A Llama's q and k rows, which llama.cpp's converter
+tensors, the file's bytes re-packed in planes (offload/gguf_planar.py: the same
+bytes of information in the same number of bytes; layout quant 'gguf', each piece's
+role its block type), so a pass streams ~5 bits a weight for Q4_1 instead of bf16's
+16, and binding.py dequantizes each piece into the compute dtype right before the
+layer runs. A Llama's q and k rows, which llama.cpp's converter
 permutes, are put back in transformers' order as the pack is written (whole rows of
 blocks move, so the bytes stay the file's).
 
@@ -35,12 +36,13 @@ from minions_local.offload.checkpoint import folder_key
 from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
 from minions_local.offload.dtypes import compute_dtype, dtype_name
 from minions_local.offload.gguf_blocks import block_type, dequantize
+from minions_local.offload.gguf_planar import to_planar
 from minions_local.offload.layer_store import DiskSource, RamSource, StreamStats
 from minions_local.offload.layout import PIECE_ALIGN, LayerLayout, Piece, aligned_empty, round_up, storage_order
 from minions_local.offload.skeleton import decoder_layers, rebuild_meta_buffers, skeleton_model
 from minions_local.offload.streamed import _fit_memory, _layer_tiers, _read_mode, _Reporter
 
-PACK_FORMAT = "gguf-1"
+PACK_FORMAT = "gguf-2"
 """Part of a GGUF pack's fingerprint: bump it when what a pack holds changes."""
 
 
@@ -193,12 +195,12 @@ def _layout(plan: list[_Tensor], dtype: torch.dtype) -> LayerLayout:
 
 def _payload(target: GGUFTarget, file, plan: list[_Tensor], layout: LayerLayout, *, pin: bool = False,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed layer: each tensor's bytes at its piece's offset, padding zeroed."""
+    """The packed layer: each tensor's planar bytes at its piece's offset, padding zeroed."""
     if out is None:
         out = aligned_empty(layout.padded_nbytes, pin=pin)
     out.zero_()
     for t, piece in zip(plan, layout.pieces):
-        piece.view(out).copy_(t.read(file))
+        piece.view(out).copy_(to_planar(t.read(file), t.btype, t.shape).view(piece.shape))
     return out
 
 

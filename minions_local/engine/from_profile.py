@@ -31,6 +31,7 @@ def engine_kwargs_from_profile(
     --minion). Raises ProfileError or MemoryPlanError with a message for the user.
     """
     profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
+    check_format(profile)
     plan = plan_memory(profile)
     math = target_math(profile, plan, options.get("dtype"), options.get("compute_dtype"))
     if math != profile.target.dtype:  # its KV cache, embeddings and head are held wider
@@ -52,6 +53,17 @@ def engine_kwargs_from_profile(
     }
     kwargs.update(options)
     return kwargs
+
+
+def check_format(profile: Profile) -> None:
+    """The loader tells a GGUF target by its .gguf suffix: a profile's format must agree."""
+    from minions_local.core.errors import ProfileError
+
+    path, fmt = str(profile.target.path), profile.target.format
+    if (fmt == "gguf") != path.lower().endswith(".gguf"):
+        raise ProfileError(f"{profile.name}: target.format = '{fmt}' but its path {path} "
+                           f"{'is not' if fmt == 'gguf' else 'is'} a .gguf file; set format = "
+                           f"'{'hf' if fmt == 'gguf' else 'gguf'}' or point path at the model.")
 
 
 def minion_spec(minion, device: str) -> Any:
@@ -93,7 +105,7 @@ def stream_options(profile: Profile, plan: MemoryPlan) -> dict[str, Any]:
     # streamed one is what sets the bytes per pass.
     return {
         "layer_tiers": list(plan.layer_tiers),
-        "quant": tgt.streamed_quantization,
+        "quant": "gguf" if tgt.format == "gguf" else tgt.streamed_quantization,
         "buffers": plan.buffers.count or tgt.layer_buffers,
         "cache_dir": str(Path(profile.hardware.disk_path).expanduser()),
     }

@@ -24,6 +24,7 @@ from pathlib import Path
 from minions_local.core.errors import MemoryPlanError
 from minions_local.core.tiers import TIERS
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
+from minions_local.profile.gguf_sizes import gguf_layer_bytes
 from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
@@ -218,7 +219,9 @@ def plan_memory(
         device_fixed.insert(0, Placement("reserve", "device", int(hw.device_reserve_gb * GB)))
 
     resident_b = dims.layer_bytes(tgt.resident_quantization, tgt.dtype)
-    streamed_b = dims.layer_bytes(tgt.streamed_quantization, tgt.dtype)
+    streamed_b = buffer_b = dims.layer_bytes(tgt.streamed_quantization, tgt.dtype)
+    if tgt.format == "gguf":
+        streamed_b, buffer_b, resident_b, scratch = _gguf_layer_costs(tgt, dims, math)
     n = dims.layers
     cap = n if tgt.resident_layers is None else min(n, tgt.resident_layers)
     fixed = sum(p.bytes for p in device_fixed)
@@ -229,16 +232,19 @@ def plan_memory(
     else:
         if tgt.tier == "device":
             raise MemoryPlanError(_no_room_for_resident(profile, fixed, n, resident_b, budgets["device"]))
-        buffers = LayerBuffers(tgt.layer_buffers, streamed_b)
-        device_fixed.append(Placement(f"{buffers.count} layer buffers", "device", buffers.count * streamed_b))
-        fixed += buffers.count * streamed_b
+        buffers = LayerBuffers(tgt.layer_buffers, buffer_b)
+        device_fixed.append(Placement(f"{buffers.count} layer buffers", "device", buffers.count * buffer_b))
+        fixed += buffers.count * buffer_b
+        if tgt.format == "gguf":
+            device_fixed.append(Placement("dequantization scratch (one layer)", "device", scratch))
+            fixed += scratch
         if fixed > budgets["device"]:
             raise MemoryPlanError(_no_room_for_minimum(profile, device_fixed, budgets["device"]))
         resident = min(cap, (budgets["device"] - fixed) // resident_b)
         tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
         if cuda and "disk" in tiers:
             # Disk reads land in pinned staging buffers before crossing PCIe: make room.
-            host_fixed.append(Placement("disk staging buffers", "ram", buffers.count * streamed_b))
+            host_fixed.append(Placement("disk staging buffers", "ram", buffers.count * buffer_b))
             tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
     layer_bytes = [resident_b if t == "device" else streamed_b for t in tiers]
     plan = MemoryPlan(
@@ -257,6 +263,15 @@ def plan_memory(
     )
     _check_host(profile, plan)
     return plan
+
+
+def _gguf_layer_costs(tgt, dims: ModelDims, math: str) -> tuple[int, int, int, int]:
+    """A GGUF target's streamed layer (the file's mean layer: its _M mixes vary by
+    layer), its layer buffer (the largest layer), its resident layer and its
+    dequantization scratch (both a layer in the compute dtype: offload/gguf_streamed.py)."""
+    sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims)
+    dense = dims.layer_bytes("none", math)
+    return -(-sum(sizes) // len(sizes)), max(sizes), dense, dense
 
 
 def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):
@@ -292,8 +307,7 @@ def _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets) -> li
             f"({_gb(remaining * streamed_b)} at {tgt.streamed_quantization}) but "
             f"hardware.host_ram_gb = {hw.host_ram_gb} leaves room for {n_ram} "
             f"(host RAM needed: {_gb(need)}). Change one of: raise hardware.host_ram_gb to "
-            f"{need / GB:.1f}, set target.streamed_quantization = 'int4', or set "
-            "target.tier = 'disk'."
+            f"{need / GB:.1f}, {_fewer_bytes(tgt)}, or set target.tier = 'disk'."
         )
     if n_disk * streamed_b > budgets["disk"]:
         raise MemoryPlanError(
@@ -325,7 +339,7 @@ def _no_room_for_minimum(profile: Profile, fixed: list[Placement], budget: int) 
         f"resident ({items}), but hardware.device_memory_gb = {profile.hardware.device_memory_gb}. "
         f"Change one of: raise hardware.device_memory_gb to {total / GB:.1f}; lower "
         f"target.context_tokens (now {tgt.context_tokens}); set target.layer_buffers = 1 "
-        f"(now {tgt.layer_buffers}); set target.streamed_quantization = 'int4'; quantize "
+        f"(now {tgt.layer_buffers}); {_fewer_bytes(tgt)}; quantize "
         "the minions (quantization = 'nf4') or use fewer of them."
     )
 
@@ -339,6 +353,12 @@ def _no_room_for_resident(profile: Profile, fixed: int, n: int, layer_b: int, bu
         f"stream layers, or target.resident_quantization = 'int4', or raise "
         f"hardware.device_memory_gb to {need / GB:.1f}."
     )
+
+
+def _fewer_bytes(tgt) -> str:
+    if tgt.format == "gguf":
+        return "use a GGUF of fewer bits (llama-quantize, e.g. Q4_K_M)"
+    return "set target.streamed_quantization = 'int4'"
 
 
 def _runs(tiers: list[str]) -> list[str]:

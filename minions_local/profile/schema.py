@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from minions_local.core.tiers import Tier
+from minions_local.profile.gguf_sizes import GGUFMix
 
 DType = Literal["float32", "bfloat16", "float16"]
 TargetQuantization = Literal["none", "int8", "int4"]
@@ -124,7 +125,14 @@ class Target(_Section):
         "'models:NAME' (under $MINIONS_MODELS_DIR, default ~/models), '~/...', an absolute path, or "
         "a path relative to the profile file. load_profile() resolves it to an absolute path."
     )
-    format: Literal["hf", "gguf"] = Field("hf", description="HF folder (safetensors) or GGUF file.")
+    format: Literal["hf", "gguf"] = Field(
+        "hf", description="HF folder (safetensors) or GGUF file; a path ending in .gguf makes it 'gguf'. A "
+        "GGUF target streams its layers as the file's own quantized blocks, dequantized as each layer runs "
+        "(its streamed and resident quantization stay 'none'; dtype is what it computes in).")
+    gguf_mix: GGUFMix | None = Field(
+        None, description="For a GGUF target whose file is not on this machine (planning with --plan "
+        "elsewhere): the llama.cpp quantization it was made with, which sizes its layers. When the file "
+        "is here, its own tensor sizes are used.")
     dtype: DType = Field("bfloat16", description="Dtype of the target's weights: what its layers are "
                          "stored and streamed in, and computed in unless compute_dtype says otherwise.")
     compute_dtype: DType | Literal["auto"] = Field(
@@ -157,6 +165,24 @@ class Target(_Section):
     dims: KnownDims | None = Field(
         None, description="Known dimensions, used when the model's config.json is absent."
     )
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_by_suffix(cls, data):
+        if isinstance(data, dict) and "format" not in data and str(data.get("path", "")).lower().endswith(".gguf"):
+            data = {**data, "format": "gguf"}
+        return data
+
+    @model_validator(mode="after")
+    def _gguf_streams_its_own_blocks(self) -> "Target":
+        if self.format == "gguf" and (self.streamed_quantization, self.resident_quantization) != ("none", "none"):
+            raise ValueError("a GGUF target streams the file's own quantized blocks: leave streamed_quantization "
+                             "and resident_quantization at 'none' (re-quantize the file with llama-quantize "
+                             "for fewer bytes a pass)")
+        if self.gguf_mix is not None and self.format != "gguf":
+            raise ValueError("gguf_mix describes a GGUF target; this target's format is 'hf'")
+        return self
 
 
 class Minion(_Section):

@@ -1,0 +1,74 @@
+"""How many bytes each decoder layer of a GGUF target streams: from the file, or from its quantization mix.
+
+A GGUF target streams its layers as the file's own blocks (offload/gguf_streamed.py,
+re-packed in planes of the same size), so a layer costs what its tensors take in the
+file. When the file is on this machine its header says exactly; a profile planned on
+another machine (a 70B file is rarely on the laptop running `--plan`) names the mix
+llama.cpp quantized it with, and the sizes follow from the model's dimensions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from minions_local.core.errors import ModelLoadError, ProfileError
+from minions_local.profile.dims import ModelDims
+
+GGUFMix = Literal["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q6_K", "Q4_K_M", "Q5_K_M"]
+
+_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q8_0": 34 / 32,
+                     "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256}
+"""A block's bytes over its weights, scales included (ggml's block sizes)."""
+
+_K_MIX_BASE = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+"""llama.cpp's _M mixes: this type, except attn_v and ffn_down in the layers `_more_bits` picks, which are Q6_K."""
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_layer_bytes(dims: ModelDims, mix: str) -> list[int]:
+    """Each decoder layer's bytes in a GGUF quantized with llama.cpp's `mix` (norms in float32)."""
+    norms = 2 * dims.hidden * 4
+    matrices = dims.attention_params + dims.mlp_params
+    if mix not in _K_MIX_BASE:
+        return [int(matrices * _BYTES_PER_WEIGHT[mix]) + norms] * dims.layers
+    base, more = _BYTES_PER_WEIGHT[_K_MIX_BASE[mix]], _BYTES_PER_WEIGHT["Q6_K"]
+    v = dims.hidden * dims.kv_heads * dims.head_dim
+    down = dims.hidden * dims.intermediate
+    sizes = []
+    for i in range(dims.layers):
+        promoted = v + down if _more_bits(i, dims.layers) else 0
+        sizes.append(int((matrices - promoted) * base + promoted * more) + norms)
+    return sizes
+
+
+def file_layer_bytes(path: Path, layers: int) -> list[int]:
+    """Each decoder layer's bytes in the GGUF file at `path` (its header only is read)."""
+    from minions_local.models.gguf_file import read_gguf
+
+    try:
+        tensors = read_gguf(path).tensors
+    except ModelLoadError as err:
+        raise ProfileError(str(err)) from None
+    sizes = [0] * layers
+    for name, info in tensors.items():
+        if name.startswith("blk."):
+            i = int(name.split(".")[1])
+            if i < layers:
+                sizes[i] += info.nbytes
+    return sizes
+
+
+def gguf_layer_bytes(path: str | None, mix: str | None, dims: ModelDims) -> list[int]:
+    """A GGUF target's layer sizes: from its file when it is here, else from `mix`."""
+    if path and Path(path).is_file():
+        return file_layer_bytes(Path(path), dims.layers)
+    if mix is None:
+        raise ProfileError(
+            f"the GGUF target {path} is not on this machine, so its layer sizes are unknown: set "
+            f"target.gguf_mix to the quantization it was made with ({', '.join(GGUFMix.__args__)}).")
+    return mix_layer_bytes(dims, mix)

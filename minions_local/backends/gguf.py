@@ -43,79 +43,25 @@ costs once, and `grow_batch` runs one pass per tree level for all of them.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import re
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from minions_local.backends.llama_build import build_problem
 from minions_local.core.errors import MemoryPlanError, ModelLoadError, VocabularyMismatchError
-from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
 from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children
-from minions_local.backends.llama_context import LlamaContext
+from minions_local.backends.gguf_request import RequestTree
+from minions_local.backends.llama_context import LlamaContext, buffer_report, import_llama_cpp
 
-_INSTALL_HINT = (
-    "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
-    "crashes on quantized models on AMX CPUs), or run scripts/build_llama_cpp_wheel.sh"
-)
 _KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
-_GGML_LOG_ERROR = 4
 _MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 _MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
-_llama: Any = None
-_log_callback: Any = None  # must outlive every llama.cpp call that may log
-_log_lines: list[str] | None = None  # while set, every llama.cpp log line lands here too
-_BUFFER_LINE = re.compile(r"\b(KV|output|compute) buffer size =\s*([0-9.]+) MiB")
-
-
-@contextlib.contextmanager
-def _buffer_report() -> Iterator[dict[str, int]]:
-    """Bytes of each buffer llama.cpp reports allocating inside the block ("KV",
-    "output", "compute"; summed over devices). Its own report, because the compute
-    buffer's size comes from planning a worst-case graph that no formula here mirrors."""
-    global _log_lines
-    sizes: dict[str, int] = {}
-    _log_lines = lines = []
-    try:
-        yield sizes
-    finally:
-        _log_lines = None
-        for match in _BUFFER_LINE.finditer("".join(lines)):
-            sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
-
-
-def import_llama_cpp() -> Any:
-    """llama_cpp, initialised once with its chatty logging reduced to errors."""
-    global _llama, _log_callback
-    if _llama is None:
-        problem = build_problem()
-        if problem:
-            raise ModelLoadError(problem + ".")
-        try:
-            import llama_cpp
-        except ImportError as err:
-            raise ModelLoadError(f"GGUF minions need llama-cpp-python ({err}): {_INSTALL_HINT}.") from None
-
-        def log(level: int, text: bytes, _user: Any) -> None:
-            if _log_lines is not None:
-                _log_lines.append(text.decode("utf-8", "replace"))
-            if level == _GGML_LOG_ERROR:
-                sys.stderr.write(text.decode("utf-8", "replace"))
-
-        _log_callback = llama_cpp.llama_log_callback(log)
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _llama = llama_cpp
-    return _llama
 
 
 class GGUFMinion(SlotStates):
@@ -150,7 +96,7 @@ class GGUFMinion(SlotStates):
 
     depth_is_free = False  # a deeper tree takes more llama_decode passes
     grows_ahead = True
-    SLOT_FIELDS = ("_block", "_prefix", "_tree", "_frontier", "_node_seq", "_unrun")
+    SLOT_FIELDS = ("_request",)
     """A request's sequence ids in a llama.cpp context, and what they hold."""
 
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None, n_ctx: int = 4096,
@@ -204,7 +150,7 @@ class GGUFMinion(SlotStates):
         except ModelLoadError:
             self.close()
             raise
-        self.n_ctx = int(lib.llama_n_ctx(self._block.context.ctx)) // requests_per_context
+        self.n_ctx = int(lib.llama_n_ctx(self._request.block.context.ctx)) // requests_per_context
         # Shared by every slot: a pass takes the same time whichever request runs it, and
         # the count is a statistic of the minion.
         self._ahead_pass = 0.0  # seconds a pass takes while growing ahead (a running average)
@@ -225,7 +171,7 @@ class GGUFMinion(SlotStates):
         subtree below the token the target ends on is the next step's head start (see
         commit). `budget` bounds the whole tree; a pass starts only if `window` allows
         its expected time. Returns the nodes added."""
-        frontier = self._frontier
+        frontier = self._request.frontier
         if frontier is None or frontier.ranked:  # a sampled tree's draws belong to its own step
             return 0
         before = len(frontier.tree)
@@ -237,23 +183,24 @@ class GGUFMinion(SlotStates):
         """Keep the accepted path's KV cells (they ran during grow) and drop the rest,
         except the subtree below the bonus token when it ran too (grown ahead): that
         subtree, cells and waiting candidates included, starts the next step's tree."""
-        if not self._carry(accepted):
-            self._keep_tree_path(self._prefix + list(accepted))
+        request = self._request
+        if request.carry(accepted):
+            self.carries += 1
+        else:
+            request.keep_tree_path(request.prefix + list(accepted))
 
     def reset(self) -> None:
-        lib, block = self._lib, self._block
-        for seq in {block.first, *self._node_seq.values()}:  # every sequence holding a cell
-            lib.llama_memory_seq_rm(block.context.mem, seq, -1, -1)
-        self._prefix = []
-        self._forget_tree()
+        self._request.reset()
 
     # --- many requests ------------------------------------------------------------------
 
     def grow_batch(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> list[CandidateTree]:
-        """Grow several requests' trees, given as (slot, context, budget): the requests
-        whose slots share a llama.cpp context share its passes (their new prompt
-        tokens in one, then one per tree level with every request's next nodes). Each
-        tree is the one grow() would give on its slot alone. The slot in use stays."""
+        """Grow several requests' trees, given as (slot, context, budget), one request
+        per slot: the requests whose slots share a llama.cpp context share its passes
+        (their new prompt tokens in one, then one per tree level with every request's
+        next nodes). Each tree is the one grow() would give on its slot alone (a
+        shared pass may round its log-probabilities differently, by ~1e-5). The slot
+        in use stays."""
         trees: list[CandidateTree | None] = [None] * len(requests)
         growing: dict[LlamaContext, list[int]] = {}
         back = self.slot
@@ -262,7 +209,7 @@ class GGUFMinion(SlotStates):
             if budget.max_nodes <= 0 or budget.max_depth <= 0 or len(context) >= self.n_ctx:
                 trees[i] = CandidateTree()  # past this minion's window it abstains; the target decides alone
             else:
-                growing.setdefault(self._block.context, []).append(i)
+                growing.setdefault(self._request.block.context, []).append(i)
         try:
             for llama, members in growing.items():
                 llama.use_threads(self.grow_threads)
@@ -273,7 +220,7 @@ class GGUFMinion(SlotStates):
                     llama.use_threads(self.n_threads)
                 for i in members:
                     self.use_slot(requests[i][0])
-                    trees[i] = _proposal(self._frontier, requests[i][2])
+                    trees[i] = self._request.proposal(requests[i][2])
         finally:
             self.use_slot(back)
         return trees
@@ -287,18 +234,11 @@ class GGUFMinion(SlotStates):
         block = next(filter(None, (c.take() for c in self._contexts)), None)
         if block is None:
             block = self._new_context().take()
-        return super().fresh_slot_state() | {
-            "_block": block,
-            "_prefix": [],  # tokens held in the block's first sequence, at positions 0..len-1
-            "_tree": None,  # the last grown tree below _prefix[-1] ...
-            "_frontier": None,  # ... the candidates waiting to join it ...
-            "_node_seq": {},  # ... the sequence of each node that ran ...
-            "_unrun": [],  # ... and its nodes that did not (outranked, or too deep)
-        }
+        return super().fresh_slot_state() | {"_request": RequestTree(block)}
 
     def release_slot_state(self, state: dict[str, Any]) -> None:
         """Free the slot's block, and its context once no request holds a block of it."""
-        block = state["_block"]
+        block = state["_request"].block
         llama = block.context
         if llama.blocks == 1:
             llama.close()  # its only block: the cells go with it
@@ -329,13 +269,14 @@ class GGUFMinion(SlotStates):
     # --- model access -------------------------------------------------------------------
 
     def prefill(self, context: Sequence[int]) -> np.ndarray:
-        """Bring the slot's first sequence to `context` (reusing the longest cached
+        """Bring the slot's prefix sequence to `context` (reusing the longest cached
         prefix) and return the logits after its last token, the tree root."""
+        request = self._request
         pending = self._prefill_plan(context)
-        first = self._block.first
-        logits = self._decode(pending, list(range(len(self._prefix), len(self._prefix) + len(pending))),
-                              [first] * len(pending), [i == len(pending) - 1 for i in range(len(pending))])
-        self._prefix.extend(pending)
+        n, start = len(pending), len(request.prefix)
+        logits = self._decode(pending, list(range(start, start + n)), [request.block.first] * n,
+                              [i == n - 1 for i in range(n)])
+        request.prefix.extend(pending)
         return logits[-1]
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -343,7 +284,7 @@ class GGUFMinion(SlotStates):
         self.reset()
         tokens = [int(t) for t in tokens]
         try:
-            return self._decode(tokens, list(range(len(tokens))), [self._block.first] * len(tokens),
+            return self._decode(tokens, list(range(len(tokens))), [self._request.block.first] * len(tokens),
                                 [True] * len(tokens))
         finally:
             self.reset()
@@ -392,7 +333,7 @@ class GGUFMinion(SlotStates):
 
     def _new_context(self) -> LlamaContext:
         lib, first = self._lib, not self._context_buffers
-        with _buffer_report() as buffers:
+        with buffer_report() as buffers:
             ctx = lib.llama_init_from_model(self._model, self._cparams)
         if not ctx:
             if first:
@@ -408,19 +349,24 @@ class GGUFMinion(SlotStates):
         self._contexts.append(llama)
         return llama
 
+    def _prefill_plan(self, context: Sequence[int]) -> list[int]:
+        if not context:
+            raise ValueError("a minion needs at least one context token (the tree root)")
+        if len(context) > self.n_ctx:  # grow() abstains before this happens
+            raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
+        return self._request.prefill_plan(context)
+
     def _start_trees(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> None:
         """Give each request (all in one context) its tree's root: the tree carried over
         from growing ahead, or a new one from its prompt, every prompt's new tokens
         in one pass."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[int] = []
-        outputs: list[bool] = []
+        rows: tuple[list[int], list[int], list[int], list[bool]] = ([], [], [], [])
         fresh = []
         for slot, context, budget in requests:
             self.use_slot(slot)
-            frontier, sampling = self._frontier, budget.sampling is not None
-            if frontier is not None and self._prefix == list(context) and not sampling and not frontier.ranked:
+            request, sampling = self._request, budget.sampling is not None
+            frontier = request.frontier
+            if frontier is not None and request.prefix == list(context) and not sampling and not frontier.ranked:
                 # Grown ahead during the last verification and carried over by commit():
                 # the tree below this root is partly grown already, its KV cells in place.
                 # (Sampled trees, this one or the carried one, start afresh: their draws
@@ -428,92 +374,23 @@ class GGUFMinion(SlotStates):
                 frontier.budget = budget
                 continue
             pending = self._prefill_plan(context)
-            tokens += pending
-            positions += range(len(self._prefix), len(self._prefix) + len(pending))
-            seqs += [self._block.first] * len(pending)
-            outputs += [False] * (len(pending) - 1) + [True]
+            rows[0].extend(pending)
+            rows[1].extend(range(len(request.prefix), len(request.prefix) + len(pending)))
+            rows[2].extend([request.block.first] * len(pending))
+            rows[3].extend([False] * (len(pending) - 1) + [True])
             fresh.append((slot, budget, pending))
         if not fresh:
             return
-        roots = self._decode(tokens, positions, seqs, outputs, slots=[slot for slot, _, _ in fresh])
+        roots = self._decode(*rows, slots=[slot for slot, _, _ in fresh])
         for (slot, budget, pending), root_logits in zip(fresh, roots):
             self.use_slot(slot)
-            self._prefix.extend(pending)
+            request = self._request
+            request.prefix.extend(pending)
             # Sampled: children are drawn and ranked by draw order, so the tree's shape
             # never depends on what was drawn (frontier.py, accept.py).
-            frontier = self._frontier = Frontier(CandidateTree(), budget, ranked=budget.sampling is not None)
-            self._tree = frontier.tree
-            self._offer(frontier, root_logits[None, :], [-1])
-
-    def _prefill_plan(self, context: Sequence[int]) -> list[int]:
-        """Keep the longest cached prefix of `context` in the slot's first sequence and
-        return the tokens still to run there (the root always runs)."""
-        if not context:
-            raise ValueError("a minion needs at least one context token (the tree root)")
-        if len(context) > self.n_ctx:  # grow() abstains before this happens
-            raise ValueError(f"context of {len(context)} tokens exceeds this minion's n_ctx={self.n_ctx}")
-        self._keep_tree_path(context)
-        keep = min(common_prefix_len(self._prefix, context), len(context) - 1)
-        if keep < len(self._prefix):
-            self._lib.llama_memory_seq_rm(self._block.context.mem, self._block.first, keep, -1)
-            del self._prefix[keep:]
-        return [int(t) for t in context[keep:]]
-
-    def _keep_tree_path(self, context: Sequence[int]) -> None:
-        """Fold the longest path of the last tree that `context` follows into the first
-        sequence and drop every other tree cell."""
-        tree, lib, block = self._tree, self._lib, self._block
-        if tree is None:
-            return
-        node, i = -1, len(self._prefix)
-        if common_prefix_len(self._prefix, context) == i:
-            children: dict[tuple[int, int], int] = {}
-            for n in self._node_seq:  # only nodes that ran have KV cells
-                children[(tree.parents[n], tree.tokens[n])] = n
-            while i < len(context) and (node, int(context[i])) in children:
-                node = children[(node, int(context[i]))]
-                i += 1
-        kept = self._node_seq.get(node)
-        for seq in self._node_seq.values():  # other requests' sequences share the cache: only ours go
-            if seq != kept:
-                lib.llama_memory_seq_rm(block.context.mem, seq, -1, -1)
-        if kept is not None:
-            lib.llama_memory_seq_cp(block.context.mem, kept, block.first, -1, -1)
-            lib.llama_memory_seq_rm(block.context.mem, kept, -1, -1)
-            self._prefix.extend(int(t) for t in context[len(self._prefix):i])
-        self._forget_tree()
-
-    def _forget_tree(self) -> None:
-        self._tree = self._frontier = None
-        self._node_seq = {}
-        self._unrun = []
-
-    def _carry(self, accepted: Sequence[int]) -> bool:
-        """If the accepted tokens, bonus included, are a path of the last tree whose
-        last node ran, make the subtree below it the tree of the next step."""
-        tree, frontier, lib, mem = self._tree, self._frontier, self._lib, self._block.context.mem
-        if tree is None or frontier is None or not accepted:
-            return False
-        children = {(tree.parents[n], tree.tokens[n]): n for n in range(len(tree))}
-        node = -1
-        for token in accepted:
-            node = children.get((node, int(token)), -1)
-            if node < 0:
-                return False
-        if node not in self._node_seq:
-            return False
-        frontier, inside = frontier.reroot(node)
-        seq = self._node_seq[node]
-        lib.llama_memory_seq_cp(mem, seq, self._block.first, -1, -1)  # the accepted path joins the prefix
-        for n, s in self._node_seq.items():
-            if n not in inside or n == node:  # its descendants' cells keep their own sequences
-                lib.llama_memory_seq_rm(mem, s, -1, -1)
-        self._prefix.extend(int(t) for t in accepted)
-        self._frontier, self._tree = frontier, frontier.tree
-        self._node_seq = {inside[n]: s for n, s in self._node_seq.items() if n in inside and n != node}
-        self._unrun = [inside[n] for n in self._unrun if n in inside]
-        self.carries += 1
-        return True
+            request.frontier = Frontier(CandidateTree(), budget, ranked=budget.sampling is not None)
+            request.tree = request.frontier.tree
+            self._offer(request.frontier, root_logits[None, :], [-1])
 
     def _run_levels(self, slots: list[int], window: AheadWindow | None = None) -> None:
         """Run the best nodes of the slots' trees (all in one context), one pass per
@@ -527,22 +404,20 @@ class GGUFMinion(SlotStates):
         retry = {}
         for slot in slots:
             self.use_slot(slot)
-            retry[slot] = self._frontier.worth_running(self._unrun)
+            retry[slot] = self._request.frontier.worth_running(self._request.unrun)
         active = list(slots)
         while active and (window is None or window.allows(self._ahead_pass)):
             rows: tuple[list[int], list[int], list[int]] = ([], [], [])
             passes = []
             for slot in list(active):
                 self.use_slot(slot)
-                batch, retry[slot] = self._next_nodes(retry[slot])
+                batch, retry[slot] = self._request.next_nodes(retry[slot], self.n_ctx, self.n_batch)
                 if batch is None:
                     active.remove(slot)
                 elif batch:
                     passes.append((slot, batch))
-                    tree, depths, root_pos = self._tree, self._frontier.depths, len(self._prefix) - 1
-                    rows[0].extend(tree.tokens[n] for n in batch)
-                    rows[1].extend(root_pos + depths[n] for n in batch)
-                    rows[2].extend(self._node_seq[n] for n in batch)
+                    for column, values in zip(rows, self._request.pass_rows(batch)):
+                        column.extend(values)
             if not passes:
                 continue
             start = time.perf_counter()
@@ -552,33 +427,8 @@ class GGUFMinion(SlotStates):
             row = 0
             for slot, batch in passes:
                 self.use_slot(slot)
-                self._offer(self._frontier, logits[row:row + len(batch)], batch)
+                self._offer(self._request.frontier, logits[row:row + len(batch)], batch)
                 row += len(batch)
-
-    def _next_nodes(self, retry: list[int]) -> tuple[list[int] | None, list[int]]:
-        """The nodes of the slot's next pass, each given a sequence that sees its path
-        (empty when the nodes taken cannot run; None when the tree is done), and the
-        nodes still to retry."""
-        frontier, block = self._frontier, self._block
-        used = set(self._node_seq.values())
-        free = [s for s in reversed(block.tree_seqs) if s not in used]  # pop() takes the lowest
-        # Each node that runs takes one KV cell and one sequence id.
-        room = min(len(free), self.n_ctx - len(self._prefix) - len(self._node_seq), self.n_batch)
-        batch = retry[:min(frontier.budget.width, room)] if room > 0 else []
-        if batch:
-            retry = retry[len(batch):]
-            self._unrun = [n for n in self._unrun if n not in batch]
-        elif frontier.can_take():
-            taken = frontier.take()  # out of cells or sequence ids, they still join, unrun
-            batch = frontier.worth_running(taken)[:max(room, 0)]
-            self._unrun.extend(n for n in taken if n not in batch)
-        else:
-            return None, retry
-        for node in batch:
-            self._node_seq[node] = free.pop()
-            parent_seq = self._node_seq.get(self._tree.parents[node], block.first)
-            self._lib.llama_memory_seq_cp(block.context.mem, parent_seq, self._node_seq[node], -1, -1)
-        return batch, retry
 
     @staticmethod
     def _offer(frontier: Frontier, logits: np.ndarray, parents: list[int]) -> None:
@@ -597,7 +447,7 @@ class GGUFMinion(SlotStates):
         """Run tokens of the slots' sequences (default: the slot in use) in their shared
         context; the logits of those marked in `outputs`."""
         try:
-            return self._block.context.decode(tokens, positions, seqs, outputs)
+            return self._request.block.context.decode(tokens, positions, seqs, outputs)
         except RuntimeError as err:
             # The cells the pass wrote may be half-written: those slots start clean.
             back = self.slot
@@ -606,24 +456,6 @@ class GGUFMinion(SlotStates):
                 self.reset()
             self.use_slot(back)
             raise RuntimeError(f"{err} for {self.path} (n_ctx={self.n_ctx} per request)") from None
-
-
-def _proposal(frontier: Frontier, budget: GrowBudget) -> CandidateTree:
-    """A copy of the frontier's tree within `budget` (a carried tree may be larger or
-    deeper): growing ahead adds to the minion's own tree while the caller still reads
-    this one. Nodes joined best first, so any first n of them form a tree."""
-    tree, out = frontier.tree, CandidateTree()
-    new_id = {-1: -1}
-    for n in range(len(tree)):
-        if len(out) >= budget.max_nodes:
-            break
-        if frontier.depths[n] <= budget.max_depth and tree.parents[n] in new_id:
-            new_id[n] = out.add(tree.tokens[n], new_id[tree.parents[n]], tree.logprobs[n])
-    # The distributions drawn from, for the parents that kept a child (each is a vocab
-    # of floats); kept children are a prefix of each parent's draws (best-first by rank).
-    kept = set(out.parents)
-    out.draws = {new_id[p]: q for p, q in tree.draws.items() if p in new_id and new_id[p] in kept}
-    return out
 
 
 def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""A llama.cpp context that several requests of a GGUF minion share (backends/gguf.py).
+"""llama.cpp itself, for the GGUF minion (backends/gguf.py): loading the library, and
+contexts that several requests share.
 
 llama.cpp runs one batch per context, and every token of a batch names the sequences
 it belongs to: it attends only to cells of those sequences. So requests that share a
@@ -13,10 +14,69 @@ once per context, however many requests share it.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from minions_local.backends.llama_build import build_problem
+from minions_local.core.errors import ModelLoadError
+
+_INSTALL_HINT = (
+    "pip install 'minions-local[gguf]' with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" set (a native build "
+    "crashes on quantized models on AMX CPUs), or run scripts/build_llama_cpp_wheel.sh"
+)
+_GGML_LOG_ERROR = 4
+_llama: Any = None
+_log_callback: Any = None  # must outlive every llama.cpp call that may log
+_log_lines: list[str] | None = None  # while set, every llama.cpp log line lands here too
+_BUFFER_LINE = re.compile(r"\b(KV|output|compute) buffer size =\s*([0-9.]+) MiB")
+
+
+@contextlib.contextmanager
+def buffer_report() -> Iterator[dict[str, int]]:
+    """Bytes of each buffer llama.cpp reports allocating inside the block ("KV",
+    "output", "compute"; summed over devices). Its own report, because the compute
+    buffer's size comes from planning a worst-case graph that no formula here mirrors."""
+    global _log_lines
+    sizes: dict[str, int] = {}
+    _log_lines = lines = []
+    try:
+        yield sizes
+    finally:
+        _log_lines = None
+        for match in _BUFFER_LINE.finditer("".join(lines)):
+            sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
+
+
+def import_llama_cpp() -> Any:
+    """llama_cpp, initialised once with its chatty logging reduced to errors."""
+    global _llama, _log_callback
+    if _llama is None:
+        problem = build_problem()
+        if problem:
+            raise ModelLoadError(problem + ".")
+        try:
+            import llama_cpp
+        except ImportError as err:
+            raise ModelLoadError(f"GGUF minions need llama-cpp-python ({err}): {_INSTALL_HINT}.") from None
+
+        def log(level: int, text: bytes, _user: Any) -> None:
+            if _log_lines is not None:
+                _log_lines.append(text.decode("utf-8", "replace"))
+            if level == _GGML_LOG_ERROR:
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _log_callback = llama_cpp.llama_log_callback(log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _llama = llama_cpp
+    return _llama
 
 
 @dataclass(frozen=True, slots=True)

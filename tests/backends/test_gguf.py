@@ -363,7 +363,7 @@ def test_vocabulary_check(checkpoints, bpe_tokenizer, tmp_path):
 def test_missing_llama_cpp_says_how_to_install(monkeypatch):
     import sys
 
-    from minions_local.backends import gguf as backend
+    from minions_local.backends import llama_context as backend
 
     monkeypatch.setattr(backend, "_llama", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
@@ -454,14 +454,14 @@ def test_a_tree_grown_ahead_carries_into_the_next_step_with_its_cache(checkpoint
     first = minion.grow(context, budget)
     assert minion.grow_ahead(GrowBudget(max_nodes=30, max_depth=6, width=2, top_k=3), AheadWindow()) > 0
     assert len(first) == 8  # the proposal handed out is a copy: growing ahead leaves it alone
-    grown = minion._tree
+    grown = minion._request.tree
     # A node grown ahead (not in the step's tree) that ran and has children of its own.
-    ran = [n for n in minion._node_seq if n >= len(first) and n in grown.parents]
+    ran = [n for n in minion._request.node_seq if n >= len(first) and n in grown.parents]
     assert ran, "growing ahead ran nodes beyond the step's tree"
     accepted = _path(grown, max(ran, key=lambda n: grown.logprobs[n]))  # a draft path, then the bonus
     minion.commit(accepted)
     context = context + accepted
-    assert minion._prefix == context and len(minion._tree) > 0 and minion.carries == 1  # carried
+    assert minion._request.prefix == context and len(minion._request.tree) > 0 and minion.carries == 1  # carried
     closing = AheadWindow()
     closing.done.set()
     assert minion.grow_ahead(budget, closing) == 0  # a closed window starts no pass
@@ -486,7 +486,7 @@ def test_a_tree_grown_ahead_carries_into_the_next_step_with_its_cache(checkpoint
 def test_a_llama_cpp_build_for_another_cpu_is_refused_with_a_way_out(monkeypatch, tmp_path):
     """A wheel built with AVX-512 would die of an illegal instruction on a CPU without it:
     its stamp is checked against the CPU's flags first."""
-    from minions_local.backends import gguf, llama_build
+    from minions_local.backends import llama_build, llama_context
 
     stamp = "x86-avx512-avx512vbmi-avx512_vnni-avx512_bf16-avx_vnni-nocommon"
     full = {"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vbmi", "avx512_vnni",
@@ -495,7 +495,7 @@ def test_a_llama_cpp_build_for_another_cpu_is_refused_with_a_way_out(monkeypatch
     assert llama_build.missing_extensions(stamp, full - {"avx512bw", "avx_vnni"}) == ["avx512", "avx_vnni"]
     assert llama_build.missing_extensions("portable-nocommon", {"avx2"}) == []
     assert llama_build.missing_extensions("x86-avx512-nocommon-1a2b3c4d", {"avx2"}) == ["avx512"]
-    monkeypatch.setattr(gguf, "_llama", None)
-    monkeypatch.setattr(gguf, "build_problem", lambda: "built for a CPU with avx512, which this CPU lacks")
+    monkeypatch.setattr(llama_context, "_llama", None)
+    monkeypatch.setattr(llama_context, "build_problem", lambda: "built for a CPU with avx512, which this CPU lacks")
     with pytest.raises(ModelLoadError, match="avx512.*lacks"):
-        gguf.import_llama_cpp()
+        llama_context.import_llama_cpp()

@@ -73,15 +73,15 @@ def test_interleaved_requests_grow_what_they_grow_alone(demo_gguf, prompts):
     assert all(len(tree[0]) == budget.max_nodes for trees in got.values() for tree in trees)
     assert minion.carries == sum(m.carries for m in separate) > 0  # ahead state travelled with its slot
     minion.use_slot(0)
-    assert minion._prefix[:len(prompts[0])] == prompts[0]  # the conversation's cache is still there
+    assert minion._request.prefix[:len(prompts[0])] == prompts[0]  # the conversation's cache is still there
     minion.close()
 
 
 def test_a_dropped_slot_frees_its_context_and_starts_fresh(demo_gguf, prompts, monkeypatch):
-    from minions_local.backends import gguf
+    from minions_local.backends import llama_context
 
-    lib = ContextCount(gguf.import_llama_cpp(), live=0)
-    monkeypatch.setattr(gguf, "_llama", lib)
+    lib = ContextCount(llama_context.import_llama_cpp(), live=0)
+    monkeypatch.setattr(llama_context, "_llama", lib)
     minion = _minion(demo_gguf)
     assert lib.live == 1
     budget = GrowBudget(max_nodes=8, max_depth=3, width=2, top_k=3)
@@ -93,14 +93,14 @@ def test_a_dropped_slot_frees_its_context_and_starts_fresh(demo_gguf, prompts, m
     minion.drop_slot(1)
     assert lib.live == 2 and minion.slots_held() == [0, 2]
     minion.use_slot(1)  # a new request on the freed slot: a new, empty context
-    assert lib.live == 3 and minion._prefix == [] and minion._tree is None
+    assert lib.live == 3 and minion._request.prefix == [] and minion._request.tree is None
     fresh = _minion(demo_gguf).grow(prompts[2], budget)
     again = minion.grow(prompts[2], budget)
     assert (again.tokens, again.parents, again.logprobs) == (fresh.tokens, fresh.parents, fresh.logprobs)
     minion.drop_slot(1)  # the slot in use: emptied, its context kept for the next request
-    assert lib.live == 3 and minion._prefix == [] and minion.slot == 1
+    assert lib.live == 3 and minion._request.prefix == [] and minion.slot == 1
     minion.use_slot(0)
-    assert minion._prefix == prompts[0] and len(minion._tree) >= len(conversation)
+    assert minion._request.prefix == prompts[0] and len(minion._request.tree) >= len(conversation)
     minion.close()
     assert lib.live == 0 and minion.slots_held() == [0]
 
@@ -212,7 +212,7 @@ def test_requests_sharing_a_context_interleave_as_alone_and_free_it_together(dem
     minion.drop_slot(1)
     assert len(minion._contexts) == 1  # slot 0 still holds it
     minion.use_slot(3)  # takes the freed block: empty, and slot 0's cache untouched
-    assert minion._prefix == [] and len(minion._contexts) == 1
+    assert minion._request.prefix == [] and len(minion._contexts) == 1
     minion.use_slot(0)
-    assert minion._prefix[:len(prompts[0])] == prompts[0]
+    assert minion._request.prefix[:len(prompts[0])] == prompts[0]
     minion.close()

@@ -41,11 +41,13 @@ def plan_report(
     spec = profile.speculation
     hw = profile.hardware
     d = plan.target_dims
+    tgt = profile.target
+    storage = (f"GGUF blocks ({tgt.gguf_mix or 'sizes from the file'}), dequantized into {tgt.dtype}"
+               if tgt.format == "gguf" else
+               f"{tgt.dtype}, resident {tgt.resident_quantization}, streamed {tgt.streamed_quantization}")
     lines = [
         f"Profile {profile.name}: {profile.description}".rstrip(": "),
-        f"  target {profile.target.path}  ({d.params / 1e9:.1f}B params, {d.layers} layers, "
-        f"{profile.target.dtype}, resident {profile.target.resident_quantization}, "
-        f"streamed {profile.target.streamed_quantization})",
+        f"  target {tgt.path}  ({d.params / 1e9:.1f}B params, {d.layers} layers, {storage})",
     ]
     for m in profile.minions:
         where = m.path or "(built in)"

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
-from minions_local.core.protocols import SlotTree, common_prefix_len
+from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
 from minions_local.offload.binding import layer_weights
 
 
@@ -42,9 +43,16 @@ class HFTarget(CachedModel):
     """Whether `verify_batch` runs several requests' trees in one pass (the compact
     forward); transformers' forward verifies them one pass each."""
 
-    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
+    def missing_prompt(self, context: list[int]) -> list[int]:
+        return self.sync(context[:-1])
+
+    def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
         """Each request's tree, verified on its own slot's cache: logits [T_i, V] per
-        tree, as `verify` would give them alone. Leaves the last request's slot in use."""
+        tree, as `verify` would give them alone; each prompt chunk is appended to its
+        slot's cache. Here one pass each; leaves the last request's slot in use."""
+        for chunk in chunks:
+            self.use_slot(chunk.slot)
+            self.prefill(self.cached + chunk.tokens + [0])  # everything but a (placeholder) root
         out = []
         for item in trees:
             self.use_slot(item.slot)
@@ -103,12 +111,13 @@ class SharedPassTarget(CompactModel, HFTarget):
 
     shares_passes = True
 
-    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
-        """One pass for every request's tree: the weights (a streamed target's reads)
-        once over all rows, attention per request over its own slot (compact.py
-        forward_parts). A slot whose cache is behind its context catches up first, in
-        passes of its own."""
-        if len(trees) == 1:
+    def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
+        """One pass for every request's tree and every prompt chunk: the weights (a
+        streamed target's reads) once over all rows, attention per request over its own
+        slot (compact.py forward_parts). A chunk's rows are a prompt's (only its last
+        row's logits, computed and dropped); a slot whose cache is behind its context
+        catches up first, in passes of its own."""
+        if len(trees) == 1 and not chunks:
             return super().verify_batch(trees)
         parts = []
         for item in trees:
@@ -117,11 +126,22 @@ class SharedPassTarget(CompactModel, HFTarget):
             self._prefix_len = self.cache_len
             tree = item.tree
             parts.append(self.pass_part(tree.tokens, tree.ancestor_matrix(), tree.depths, self._prefix_len))
+        for chunk in chunks:
+            self.use_slot(chunk.slot)
+            n = len(chunk.tokens)
+            part = self.pass_part(chunk.tokens, np.tril(np.ones((n, n), dtype=bool)), list(range(n)), self.cache_len)
+            part.prefill = True
+            parts.append(part)
         logits = self.decoder.forward_parts(parts)
         for item, part in zip(trees, parts):
             self.use_slot(item.slot)
             self._tree_features = part.hidden if self.keep_hidden else None
-        return logits
+        for chunk, part in zip(chunks, parts[len(trees):]):
+            self.use_slot(chunk.slot)
+            kept = len(self.cached)
+            self.cached.extend(chunk.tokens)
+            self._keep_features(kept, part.hidden if self.keep_hidden else None)
+        return logits[:len(trees)]
 
 
 class CompactTarget(SharedPassTarget):

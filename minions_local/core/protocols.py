@@ -171,6 +171,15 @@ class SlotTree:
     tree: TokenTree
 
 
+@dataclass(slots=True)
+class PromptChunk:
+    """A piece of a request's prompt read in a shared pass (prefill riding along with
+    other requests' trees): `tokens` continue what the slot's cache holds."""
+
+    slot: int
+    tokens: list[int]
+
+
 @runtime_checkable
 class Target(Protocol):
     """The large model whose output is the output: it scores a whole voted tree in one
@@ -198,9 +207,15 @@ class Target(Protocol):
     shares_passes: bool
     """Whether verify_batch runs several requests' trees in one pass (else one each)."""
 
-    def verify_batch(self, trees: Sequence[SlotTree]) -> list[torch.Tensor]:
-        """Each request's tree verified on its own slot, as `verify` would alone; the
-        slot in use afterwards is unspecified (use_slot before commit)."""
+    def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
+        """Each request's tree verified on its own slot, as `verify` would alone, and
+        each prompt chunk appended to its slot's cache in the same pass; the slot in
+        use afterwards is unspecified (use_slot before commit)."""
+        ...
+
+    def missing_prompt(self, context: list[int]) -> list[int]:
+        """The tokens of context[:-1] that the current slot's cache lacks (what a
+        prefill would run), keeping the longest cached prefix."""
         ...
 
     def use_slot(self, slot: int) -> None:

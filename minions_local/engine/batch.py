@@ -20,14 +20,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from minions_local.core.events import DoneEvent, Event, TokenEvent
-from minions_local.core.protocols import common_prefix_len
+from minions_local.core.errors import GenerationCancelled
+from minions_local.core.events import DoneEvent, Event, Generation, TokenEvent
+from minions_local.core.protocols import PromptChunk, common_prefix_len
 from minions_local.engine.reply import PreparedRequest, Reply, request_generator
-from minions_local.speculation.decode import StepRequest
+from minions_local.speculation.lanes import StepRequest
 
 
 @dataclass(eq=False)
@@ -44,6 +45,9 @@ class BatchRequest:
     first_token_at: float | None = None
     cancelled: bool = False
     prefilled: bool = False
+    """Its prompt is in every model's cache: it decodes from the next pass on."""
+    unread: list[int] | None = None
+    """Prompt tokens the target has yet to read (None: not looked at yet)."""
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -103,26 +107,28 @@ class BatchRun:
         req.cancelled = True
 
     def step(self) -> list[tuple[BatchRequest, Event]]:
-        """Read newcomers' prompts, run one shared pass for every running request, and
-        return each request's events in order; finished requests leave the batch.
+        """One shared pass: every decoding request's tree, and newcomers' prompt chunks
+        riding along (`prompt_chunks`); returns each request's events in order, and
+        finished requests leave the batch.
         On an error every running request's caches may be half-written: they are
         dropped, the requests leave, and the error propagates (each caller fails its
         requests; nothing else is lost)."""
         events: list[tuple[BatchRequest, Event]] = []
         for req in [r for r in self.running if r.cancelled]:
             events += self._finish(req, "cancelled")
+        decoding = [r for r in self.running if r.prefilled]
         try:
-            for req in self.running:
-                if not req.prefilled:
-                    start = time.perf_counter()
-                    self.decoder.prefill(req.reply.context, req.slot)
-                    req.reply.prefill_seconds = time.perf_counter() - start
-                    req.prefilled = True
-            if not self.running:
+            chunks, reading = self.prompt_chunks(busy=bool(decoding))
+            if not decoding and not chunks:
                 return events
             steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
-                                 r.prepared.seed is not None, r.slot) for r in self.running]
-            results = self.decoder.step_shared(steps)
+                                 r.prepared.seed is not None, r.slot) for r in decoding]
+            results = self.decoder.step_shared(steps, chunks)
+            for req in reading:
+                if not req.unread:  # its prompt is in the target: the minions read it, and it decodes next
+                    self.decoder.prefill_minions(req.reply.context, req.slot)
+                    req.prefilled = True
+                    req.reply.prefill_seconds = time.perf_counter() - req.joined_at
         except BaseException:
             for req in self.running:
                 self.decoder.release(req.slot)
@@ -131,7 +137,7 @@ class BatchRun:
             raise
         self.passes += 1
         now = time.perf_counter()
-        for req, result in zip(list(self.running), results):
+        for req, result in zip(decoding, results):
             self.engine.keep_tree(result)
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -139,6 +145,33 @@ class BatchRun:
             if req.reply.finish is not None:
                 events += self._finish(req)
         return events
+
+    PROMPT_CHUNK = 512
+    """Prompt tokens a newcomer reads per pass, the same grid as a lone prefill
+    (CachedModel.extend): its prompt's cache entries come out as they would alone."""
+
+    def prompt_chunks(self, busy: bool) -> tuple[list[PromptChunk], list[BatchRequest]]:
+        """The newcomers' prompt pieces for this pass (prefill riding along): each
+        request still reading gets its next piece while the pass's budget lasts (one
+        piece's worth when others decode, so that their pass stays short; all that
+        wait when nobody decodes). Returns the chunks and the requests they belong to."""
+        chunks, reading, budget = [], [], self.PROMPT_CHUNK if busy else None
+        for req in self.running:
+            if req.prefilled:
+                continue
+            if req.unread is None:
+                self.decoder.target.use_slot(req.slot)
+                req.unread = self.decoder.target.missing_prompt(req.reply.context)
+            piece = req.unread[:self.PROMPT_CHUNK]
+            if piece and budget is not None and chunks and len(piece) > budget:
+                continue  # the next pass reads it; a piece is never split off its grid
+            reading.append(req)
+            if piece:
+                chunks.append(PromptChunk(req.slot, piece))
+                req.unread = req.unread[len(piece):]
+                if budget is not None:
+                    budget -= len(piece)
+        return chunks, reading
 
     def _finish(self, req: BatchRequest, finish: str | None = None) -> list[tuple[BatchRequest, Event]]:
         self.running.remove(req)
@@ -177,3 +210,47 @@ class BatchProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def run_batch(engine, prepared: list[PreparedRequest], parallel: int, progress: bool) -> Iterator[tuple[int, Event]]:
+    """Engine.stream_batch's loop: holds the engine, admits the prompts in order as
+    slots free up, and yields (prompt index, event). Engine.cancel() ends every
+    request at the next pass (the ones not started yet get an empty, cancelled reply)."""
+    engine._acquire("start a batch")
+    run = BatchRun(engine, min(parallel, max(1, len(prepared))))
+    bar = BatchProgress(len(prepared)) if progress else None
+    try:
+        engine._cancel.clear()
+        waiting = list(enumerate(prepared))
+        while waiting or run.running:
+            while waiting and run.has_room:
+                index, req = waiting.pop(0)
+                run.admit(req, index)
+            if engine._cancel.is_set():
+                for req in run.running:
+                    run.cancel(req)
+                for index, req in waiting:
+                    for event in Reply(req, engine.tokenizer, engine.eos_ids).close("cancelled"):
+                        yield index, event
+                waiting = []
+            for req, event in run.step():
+                if bar is not None:
+                    bar.update(event)
+                yield req.tag, event
+    finally:
+        run.close()
+        if bar is not None:
+            bar.close()
+        engine._busy.release()
+
+
+def collect(events: Iterator[tuple[int, Event]], count: int) -> list[Generation]:
+    """Every request's Generation, in input order."""
+    results: list[Generation | None] = [None] * count
+    for index, event in events:
+        if isinstance(event, DoneEvent):
+            results[index] = event.generation
+    missing = [i for i, g in enumerate(results) if g is None]
+    if missing:
+        raise GenerationCancelled(f"the batch ended without results for requests {missing}")
+    return results  # type: ignore[return-value]

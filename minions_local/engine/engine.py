@@ -284,11 +284,15 @@ class Engine:
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[Generation]:
         """Every prompt's Generation, in input order (see `stream_batch`): the offline
         batch job, e.g. summarising a folder of documents with a model that does not fit."""
-        return _collect(self.stream_batch(prompts, **kwargs), len(prompts))
+        from minions_local.engine.batch import collect
+
+        return collect(self.stream_batch(prompts, **kwargs), len(prompts))
 
     def chat_batch(self, conversations: Sequence[Messages], **kwargs: Any) -> list[Generation]:
         """Every conversation's reply, in input order (see `stream_batch`)."""
-        return _collect(self.stream_chat_batch(conversations, **kwargs), len(conversations))
+        from minions_local.engine.batch import collect
+
+        return collect(self.stream_chat_batch(conversations, **kwargs), len(conversations))
 
     def batch_run(self, parallel: int | None = None):
         """A continuous batch over this engine (engine/batch.py) for a caller that owns it
@@ -317,40 +321,11 @@ class Engine:
 
     def _run_batch(self, prepared: list[PreparedRequest], parallel: int | None,
                    progress: bool | None) -> Iterator[tuple[int, Event]]:
-        from minions_local.engine.batch import BatchRun, BatchProgress
+        from minions_local.engine.batch import run_batch
 
         parallel = request.parallel_arg(parallel) if parallel is not None else self.default_parallel()
         show = progress if progress is not None else len(prepared) > 4 and sys.stderr.isatty()
-
-        def run() -> Iterator[tuple[int, Event]]:
-            self._acquire("start a batch")
-            run = BatchRun(self, min(parallel, max(1, len(prepared))))
-            bar = BatchProgress(len(prepared)) if show else None
-            try:
-                self._cancel.clear()
-                waiting = list(enumerate(prepared))
-                while waiting or run.running:
-                    while waiting and run.has_room:
-                        index, req = waiting.pop(0)
-                        run.admit(req, index)
-                    if self._cancel.is_set():
-                        for req in run.running:
-                            run.cancel(req)
-                        for index, req in waiting:  # never started: an empty, cancelled reply each
-                            for event in Reply(req, self.tokenizer, self.eos_ids).close("cancelled"):
-                                yield index, event
-                        waiting = []
-                    for req, event in run.step():
-                        if bar is not None:
-                            bar.update(event)
-                        yield req.tag, event
-            finally:
-                run.close()
-                if bar is not None:
-                    bar.close()
-                self._busy.release()
-
-        return run()
+        return run_batch(self, prepared, parallel, show)
 
     def _start_token(self) -> int | None:
         """What an empty prompt starts from: the BOS token (id 0 is a token like any other)."""
@@ -469,17 +444,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
-
-
-def _collect(events: Iterator[tuple[int, Event]], count: int) -> list[Generation]:
-    results: list[Generation | None] = [None] * count
-    for index, event in events:
-        if isinstance(event, DoneEvent):
-            results[index] = event.generation
-    missing = [i for i, g in enumerate(results) if g is None]
-    if missing:
-        raise GenerationCancelled(f"the batch ended without results for requests {missing}")
-    return results  # type: ignore[return-value]
 
 
 def _drain(events: Iterator[Event]) -> Generation:

@@ -27,12 +27,14 @@ import torch
 
 from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
-from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, SlotTree, Target, common_prefix_len
+from minions_local.core.protocols import (CandidateTree, GrowBudget, Minion, PromptChunk, SlotTree, Target,
+                                         common_prefix_len)
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
+from minions_local.speculation.lanes import Lane, StepRequest
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
 
@@ -70,37 +72,6 @@ class Growth:
     @property
     def ran(self) -> list[bool]:
         return [p is not None for p in self.proposals]
-
-
-@dataclass
-class StepRequest:
-    """One request's share of a step: where it stands and how it decodes."""
-
-    context: list[int]
-    """Its committed tokens (prompt + reply so far); the last one is the tree's root."""
-    params: SamplingParams
-    generator: torch.Generator | None
-    remaining: int
-    """Tokens it may still commit (>= 1)."""
-    reproducible: bool = False
-    """A seeded request: fixed drafts, so that its tokens depend only on `generator`."""
-    slot: int = 0
-    """Its state in every model (core/slots.py; 0: the engine's conversation)."""
-
-    @property
-    def regime(self) -> str:
-        return "greedy" if self.params.greedy else "seeded" if self.reproducible else "sampled"
-
-
-@dataclass
-class Lane:
-    """What the decoder remembers of one slot between steps."""
-
-    prompt_unread: str | None = None
-    """A long prompt the minions have not read (`prefill`): None, "first step" (the
-    target gives it alone) or "read now" (before the second step)."""
-    minions_saw: list[int] = field(default_factory=list)
-    """The context the minions' caches were last brought to."""
 
 
 @dataclass
@@ -165,11 +136,7 @@ class Decoder:
         lane = self.lanes.setdefault(slot, Lane())
         if not self.minions or not _spare_core(self.target):
             self.target.prefill(context)
-            unread = len(context) - common_prefix_len(lane.minions_saw, context)
-            if unread >= self.MINIONS_READ_LATER:
-                lane.prompt_unread = "first step"
-            else:
-                self._minions_read(lane, context)
+            self.prefill_minions(context, slot)
             return
         threads = torch.get_num_threads()
 
@@ -186,6 +153,18 @@ class Decoder:
             finally:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
+
+    def prefill_minions(self, context: list[int], slot: int) -> None:
+        """The minions' part of `prefill`, once the target's cache holds the prompt (a
+        prompt read in shared passes, engine/batch.py): read it now, or, when it is long,
+        after the request's first step (which the target then decodes alone)."""
+        self._minions_use(slot)
+        lane = self.lanes.setdefault(slot, Lane())
+        unread = len(context) - common_prefix_len(lane.minions_saw, context)
+        if self.minions and unread >= self.MINIONS_READ_LATER:
+            lane.prompt_unread = "first step"
+        else:
+            self._minions_read(lane, context)
 
     def _minions_read(self, lane: Lane, context: list[int]) -> None:
         lane.minions_saw = list(context)
@@ -246,12 +225,19 @@ class Decoder:
         request = StepRequest(context, params, generator, remaining, reproducible, slot)
         return self.step_shared([request])[0]
 
-    def step_shared(self, requests: Sequence[StepRequest]) -> list[StepResult]:
+    def step_shared(self, requests: Sequence[StepRequest], chunks: Sequence[PromptChunk] = ()) -> list[StepResult]:
         """One target pass for several requests (each on its own slot): every request's
         tree is grown and voted in turn, the target verifies them all at once, and each
         is accepted and committed on its own. Each request's tokens are what it would
         get in a step of its own with the same tree (the target's rows do not depend
-        on who shares the pass: compact.py forward_parts)."""
+        on who shares the pass: compact.py forward_parts).
+
+        chunks: newcomers' prompt pieces that ride along in the same pass (their slots'
+        target caches grow by them; nothing is decoded for them)."""
+        if not requests:
+            if chunks:
+                self.target.verify_batch([], chunks)
+            return []
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
@@ -260,14 +246,14 @@ class Decoder:
             plan.t_grow += t_policy / len(plans)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
-        outcomes = self._verify(plans)
+        outcomes = self._verify(plans, chunks)
         t2 = time.perf_counter()
         self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
         streamed = self.target.bytes_streamed() - streamed_before
-        rows = sum(len(p.tree) for p in plans)
+        rows = sum(len(p.tree) for p in plans) + sum(len(c.tokens) for c in chunks)
         results = [self._learn(plan, path, bonus, ahead_nodes, t2 - t1, streamed, rows, len(plans), t_policy)
                    for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
-        if len(plans) > 1:
+        if len(plans) > 1 or chunks:
             for r in results:
                 r.record.t_step = t2 - t0
         return results
@@ -310,20 +296,21 @@ class Decoder:
         tree = self._vote(request.context[-1], growth, weights, budget, sampled=draws is not None)
         return _Plan(request, budget, growth, weights, tree, alone, time.perf_counter() - start)
 
-    def _verify(self, plans: list[_Plan]) -> list[tuple[list[int], int, int]]:
+    def _verify(self, plans: list[_Plan], chunks: Sequence[PromptChunk] = ()) -> list[tuple[list[int], int, int]]:
         """The target's pass over every plan's tree, then each request's acceptance and
         the target's commit: (accepted path, bonus token, nodes grown ahead) per plan.
         Only a lone request's minions grow ahead (ahead.py): with several, the pass
         is shared and so is the core it would take."""
-        ahead = self._grow_ahead(plans[0].growth, plans[0].budget) if len(plans) == 1 else None
+        alone = len(plans) == 1 and not chunks
+        ahead = self._grow_ahead(plans[0].growth, plans[0].budget) if alone else None
         try:
             with core_for_minions(self.target, ahead is not None):
-                if len(plans) == 1:
+                if alone:
                     self.target.use_slot(plans[0].request.slot)
                     all_logits = [self.target.verify(plans[0].request.context, plans[0].tree)]
                 else:
                     all_logits = self.target.verify_batch(
-                        [SlotTree(p.request.slot, p.request.context, p.tree) for p in plans])
+                        [SlotTree(p.request.slot, p.request.context, p.tree) for p in plans], chunks)
             if ahead is not None:
                 ahead.close()  # the accept below overlaps the minion pass in flight
             outcomes = []

@@ -126,3 +126,28 @@ def test_cancel_ends_every_request(families):
             finishes[index] = event.generation.finish_reason
     assert sorted(finishes) == list(range(5)) and finishes[4] == "cancelled"
     assert engine.generate([5, 6], max_new_tokens=3).token_ids
+
+
+def test_a_newcomers_prompt_rides_along_in_the_running_requests_passes(families):
+    """A request that joins while others decode reads its prompt inside their passes
+    (no pass of its own), and its reply is still what it gives alone."""
+    engine = _engine(families["llama"])
+    short = random_prompts(2, 96, seed=8)
+    long = [int(t) for t in torch.randint(3, 96, (60,), generator=torch.Generator().manual_seed(1))]
+    prompts = [*short, long]
+    alone = []
+    for p in prompts:
+        engine.reset()
+        alone.append(engine.generate(p, max_new_tokens=24).token_ids)
+    run = engine.batch_run(3)
+    first = [run.admit(engine.prepare(p, max_new_tokens=24), i) for i, p in enumerate(short)]
+    events = run.step() + run.step()  # the two short prompts are read, then decoded
+    newcomer = run.admit(engine.prepare(long, max_new_tokens=24), 2)
+    events += run.step()  # the newcomer's prompt rides along in the others' pass
+    rides = [e.record for r, e in events if isinstance(e, StepEvent) and r in first and e.record.pass_rows >= 59]
+    assert rides and not newcomer.reply.steps and newcomer.prefilled
+    while run.running:
+        events += run.step()
+    done = {r.tag: e.generation.token_ids for r, e in events if isinstance(e, DoneEvent)}
+    assert [done[i] for i in range(3)] == alone
+    run.close()

@@ -164,6 +164,9 @@ def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behi
             if self.fail:
                 raise KeyboardInterrupt  # Ctrl-C while the target reads the prompt
 
+        def use_slot(self, slot):
+            pass
+
     class SlowMinion:
         name = "slow"
 
@@ -260,6 +263,20 @@ class ChainTarget:
         return logits
 
     def commit(self, tree, path):
+        pass
+
+    shares_passes = False
+
+    def verify_batch(self, trees, chunks=()):
+        return [self.verify(t.context, t.tree) for t in trees]
+
+    def missing_prompt(self, context):
+        return []
+
+    def use_slot(self, slot):
+        pass
+
+    def drop_slot(self, slot):
         pass
 
 

@@ -1,0 +1,41 @@
+"""What a step knows of each request it serves, and what the decoder keeps of it
+between steps (one Lane per slot: core/slots.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minions_local.core.sampling import SamplingParams
+
+
+@dataclass
+class StepRequest:
+    """One request's share of a step: where it stands and how it decodes."""
+
+    context: list[int]
+    """Its committed tokens (prompt + reply so far); the last one is the tree's root."""
+    params: SamplingParams
+    generator: torch.Generator | None
+    remaining: int
+    """Tokens it may still commit (>= 1)."""
+    reproducible: bool = False
+    """A seeded request: fixed drafts, so that its tokens depend only on `generator`."""
+    slot: int = 0
+    """Its state in every model (core/slots.py; 0: the engine's conversation)."""
+
+    @property
+    def regime(self) -> str:
+        return "greedy" if self.params.greedy else "seeded" if self.reproducible else "sampled"
+
+
+@dataclass
+class Lane:
+    """What the decoder remembers of one slot between steps."""
+
+    prompt_unread: str | None = None
+    """A long prompt the minions have not read (`prefill`): None, "first step" (the
+    target gives it alone) or "read now" (before the second step)."""
+    minions_saw: list[int] = field(default_factory=list)
+    """The context the minions' caches were last brought to."""

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from benchmarks.batch_methods import Batched, OneAtATime  # noqa: E402
 from benchmarks.chat_prompts import CHAT_PROMPTS, calibration_prompt, chat_prompts  # noqa: E402
 from benchmarks.choices import TINY_PROFILE, resolve_profile, standin_overrides  # noqa: E402
+from benchmarks.llama_child import MethodFailed  # noqa: E402
 from benchmarks.raw_reads import raw_read_gbps, stream_pack_files  # noqa: E402
 from minions_local import Engine  # noqa: E402
 from minions_local.speculation.budget import FixedBudget  # noqa: E402
@@ -99,13 +100,20 @@ def main(argv: list[str] | None = None) -> int:
             temperature = 0.0 if mode == "greedy" else TEMPERATURE
             order = methods[r % len(methods):] + methods[:r % len(methods)]
             for m in order:
-                out = m.run(batch, max_new, temperature, seed=level * 100 + r)
+                try:
+                    out = m.run(batch, max_new, temperature, seed=level * 100 + r)
+                except MethodFailed as err:  # a peer's llama.cpp child died: the others go on
+                    notes.append(f"{m.name} N={level} {mode} failed: {err}")
+                    continue
                 results[(m.name, level, mode)] = out
                 log(f"N={level:<2} {mode:<7} {m.name:<22} {out.aggregate_tokens_per_second:7.2f} tok/s "
                     f"({out.tokens} tokens in {out.wall:.1f} s)")
     if packs:
         raw.append(raw_read_gbps(packs, readers))
     raw_gbps = max(raw) if raw else None
+    for m in methods:  # the peers' llama.cpp children and their memory groups
+        if hasattr(m, "close"):
+            m.close()
     report = _report(results, methods, levels, modes, raw_gbps, notes)
     plot = _plot(args.out, results, methods, levels, modes, profile, max_new)
     print(f"plot: {plot}")

@@ -14,6 +14,14 @@ lookup on/off), since llama.cpp fixes its threads at load, and answers JSON line
         -> {"tokens": [...], "seconds": ..., "passes": ..., "read_bytes": ...}
     {"op": "quit"}
 
+Or it decodes N sequences in one llama.cpp batch (bench_batch.py's peer,
+LlamaCppBatchServer): its load asks for `"op": "load_batch", "sequences": N` and
+
+    {"op": "run_batch", "prompts": [[...], ...], "max_new": 128, "temperature": 0.7,
+     "seed": 1000, "eos_ids": [2], "drop_cache": true}
+        -> {"tokens": [[...], ...], "first": [s, ...], "done": [s, ...], "seconds": ...,
+            "passes": ..., "read_bytes": ...}   (or {"error": "..."})
+
 Run it as `python -m benchmarks.llama_child` with scripts/ on PYTHONPATH (the
 LlamaCppServer below does).
 """
@@ -27,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.memlimit import MemoryGroup, NoMemoryGroup, group_name
 
@@ -101,6 +111,118 @@ class _Served:
                 "read_bytes": proc_read_bytes() - before}
 
 
+class _BatchServed:
+    """N sequences decoded together with llama.cpp's batch API: the prompts in one batch
+    (n_batch tokens per llama_decode), then one llama_decode per step holding one token
+    of every sequence still running. seq_id = the request's index; each sequence has a
+    KV stream of its own (kv_unified off), so a row attends to its own n_ctx cells only,
+    as it would alone."""
+
+    def __init__(self, gguf: str, *, threads: int, n_ctx: int, sequences: int) -> None:
+        import llama_cpp as lib
+
+        lib.llama_backend_init()
+        self.lib = lib
+        mparams = lib.llama_model_default_params()
+        mparams.use_mmap = True
+        self.model = lib.llama_model_load_from_file(gguf.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx * sequences
+        cparams.n_batch = cparams.n_ubatch = min(512, n_ctx * sequences)
+        cparams.n_seq_max = sequences
+        cparams.kv_unified = False
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {sequences} x {n_ctx} tokens")
+        self.n_ctx = int(lib.llama_n_ctx_seq(self.ctx))
+        self.sequences = sequences
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_batch = int(lib.llama_n_batch(self.ctx))
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self.passes = 0
+
+    def warm_up(self, ids: list[int]) -> None:
+        """Every sequence at once (full prompt chunks: the largest compute buffer), then the
+        KV cache cleared with its data, which writes every page of it: the memory measured
+        next is the most a run needs."""
+        self.run([ids] * self.sequences, 4, 0.0, 0, [])
+        self.lib.llama_memory_clear(self.mem, True)
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> np.ndarray:
+        """Logits ([rows, vocab]) of the tokens marked in `outputs`, in order."""
+        lib, batch = self.lib, self.batch
+        out = np.empty((sum(outputs), self.vocab_size), dtype=np.float32)
+        row = 0
+        for start in range(0, len(tokens), self.n_batch):
+            end = min(start + self.n_batch, len(tokens))
+            batch.n_tokens = end - start
+            for j, i in enumerate(range(start, end)):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = tokens[i], positions[i], 1
+                batch.seq_id[j][0], batch.logits[j] = seqs[i], outputs[i]
+            status = lib.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status} ({end - start} tokens)")
+            self.passes += 1
+            for j, i in enumerate(range(start, end)):
+                if outputs[i]:
+                    out[row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.vocab_size,))
+                    row += 1
+        return out
+
+    def run(self, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
+            eos_ids: list[int]) -> dict:
+        if len(prompts) > self.sequences:
+            raise ValueError(f"{len(prompts)} prompts for a context of {self.sequences} sequences")
+        longest = max(map(len, prompts)) + max_new
+        if longest > self.n_ctx:
+            raise ValueError(f"a prompt and its reply need {longest} cells, a sequence has {self.n_ctx}")
+        self.lib.llama_memory_clear(self.mem, False)  # cold: every request is a new conversation
+        rng = np.random.default_rng(seed)
+        eos = set(eos_ids)
+        self.passes = 0
+        before = proc_read_bytes()
+        start = time.perf_counter()
+        flat = [(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
+        logits = self._decode(*map(list, zip(*flat)))
+        out: list[list[int]] = [[] for _ in prompts]
+        first: list[float] = [0.0] * len(prompts)
+        done: list[float] = [0.0] * len(prompts)
+        running = list(range(len(prompts)))
+        while running:
+            picked = [_pick(row, temperature, rng) for row in logits]
+            now = time.perf_counter() - start
+            still = []
+            for s, token in zip(running, picked):
+                out[s].append(token)
+                if len(out[s]) == 1:
+                    first[s] = now
+                if token in eos or len(out[s]) >= max_new:
+                    done[s] = now
+                else:
+                    still.append(s)
+            running = still
+            if running:
+                logits = self._decode([out[s][-1] for s in running],
+                                      [len(prompts[s]) + len(out[s]) - 1 for s in running], running,
+                                      [True] * len(running))
+        return {"tokens": out, "first": first, "done": done, "seconds": time.perf_counter() - start,
+                "passes": self.passes, "read_bytes": proc_read_bytes() - before}
+
+
+def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """argmax, or a draw from softmax(logits / temperature) (no top-k, top-p or min-p)."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    cdf = np.cumsum(np.exp(z - z.max()))
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
 def drop_page_cache(path: str | Path) -> None:
     """Evict the file's pages from the page cache, written back first (a fresh export's
     pages are dirty and would stay). Pages some process has mapped stay: only memory
@@ -115,6 +237,7 @@ def drop_page_cache(path: str | Path) -> None:
 
 def serve(requests, reply) -> None:
     served: dict[tuple[int, bool], _Served] = {}
+    batch: _BatchServed | None = None
     gguf = ""
     for line in requests:
         req = json.loads(line)
@@ -135,6 +258,18 @@ def serve(requests, reply) -> None:
                 drop_page_cache(gguf)
             s = served[req["threads"], req["lookup"]]
             reply(s.run(req["ids"], req["max_new"], req["temperature"], req["seed"]))
+        elif req["op"] == "load_batch":
+            gguf = req["gguf"]
+            batch = _BatchServed(gguf, threads=req["threads"][0], n_ctx=req["n_ctx"], sequences=req["sequences"])
+            batch.warm_up(req["warm_ids"])
+            reply({"anon_bytes": _rss_anon(), "file_bytes": os.path.getsize(gguf)})
+        elif req["op"] == "run_batch":
+            if req.get("drop_cache"):
+                drop_page_cache(gguf)
+            try:
+                reply(batch.run(req["prompts"], req["max_new"], req["temperature"], req["seed"], req["eos_ids"]))
+            except (RuntimeError, ValueError) as err:  # a prompt too long, a failed pass: the parent says which
+                reply({"error": str(err)})
 
 
 def main() -> None:
@@ -255,6 +390,39 @@ class LlamaCppServer:
                 notes.append(f"could not remove the memory group {self.group.path}: {err}; remove it with "
                              f"`rmdir {self.group.path}`")
         Path(self.log.name).unlink(missing_ok=True)
+
+
+class LlamaCppBatchServer(LlamaCppServer):
+    """One child decoding up to `sequences` requests in one llama.cpp batch (bench_batch.py's
+    peer), in a memory group on the disk tier as LlamaCppServer's is. n_ctx: cells per
+    sequence; threads: llama.cpp's, fixed at load."""
+
+    def __init__(self, gguf: Path, *, threads: int, sequences: int, n_ctx: int, warm_ids: list[int],
+                 memory_share: float | None, tag: str, notes: list[str]) -> None:
+        self._load_fields = {"op": "load_batch", "sequences": sequences}
+        super().__init__(gguf, threads=[threads], n_ctx=n_ctx, warm_ids=warm_ids, memory_share=memory_share,
+                         tag=tag, notes=notes)
+
+    def _ask(self, request: dict) -> dict:
+        if request["op"] == "load":  # LlamaCppServer's load, made a batch child's
+            request = {**request, **self._load_fields}
+        return super()._ask(request)
+
+    def run_batch(self, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
+                  eos_ids: list[int]) -> dict:
+        """Per request its tokens and the seconds to its first and last token; the child's
+        own wall time ("seconds") and passes. Raises MethodFailed if the child failed."""
+        if self.group is not None:  # start cold, as LlamaCppServer.run does
+            try:
+                self.group.set_limit(self.floor)
+            except OSError:
+                pass
+            self.group.set_limit(self.limit)
+        out = self._ask({"op": "run_batch", "prompts": prompts, "max_new": max_new, "temperature": temperature,
+                         "seed": seed, "eos_ids": eos_ids, "drop_cache": self.disk})
+        if "error" in out:
+            raise MethodFailed(f"llama.cpp batch on {self.gguf.name}: {out['error']}")
+        return out
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@
    bf16 (what today's bf16 stream does on a CPU without bf16 kernels), and the `gguf`
    package's numpy reference. Also per block type on a 576x1536 / 1536x576 matrix.
 2. Bytes per pass: the GGUF layers against the same layers in bf16.
-3. With `--passes N`: N one-token passes of the target streamed from disk as GGUF blocks
+3. With `--llama-cpp N`: greedy replies (`--tokens` each) to the first N chat prompts,
+   ours (the GGUF's weights dequantized exactly, float32) against llama.cpp's on the
+   same file: how many are identical, and where the first that differ part, with our
+   margin between the two best tokens there (a different kernel flips near-ties).
+4. With `--passes N`: N one-token passes of the target streamed from disk as GGUF blocks
    and as bf16 (page cache bypassed), alternating, and the share of a GGUF pass that
    went to dequantization.
 
@@ -136,12 +140,53 @@ def passes(path: Path, n: int) -> dict:
             "gguf_bytes_per_pass": g_stats.bytes_per_pass, "bf16_bytes_per_pass": b_stats.bytes_per_pass}
 
 
+def llama_cpp_agreement(path: Path, prompts: int, tokens: int, threads: int) -> dict:
+    """Greedy replies of our GGUF target against llama.cpp's on the same file."""
+    import sys
+
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchmarks.chat_prompts import CHAT_PROMPTS
+
+    from minions_local.models.gguf_target import ensure_side_folder
+    from minions_local.offload.gguf_streamed import load_streamed_gguf
+
+    ours, _ = load_streamed_gguf(path, tier="device", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ensure_side_folder(open_target(path)))
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, logits_all=True, verbose=False)
+    same, parts = 0, []
+    for _kind, text in CHAT_PROMPTS[:prompts]:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ids = tok(chat, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = ours.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True)
+        mine = out.sequences[0, len(ids):].tolist()
+        llm.reset()
+        llm.eval(ids)
+        theirs = []
+        for _ in range(len(mine)):
+            theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([theirs[-1]])
+        if mine == theirs:
+            same += 1
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        top2 = torch.topk(out.scores[at][0].float(), 2).values
+        parts.append({"token": at, "our_margin": float(top2[0] - top2[1])})
+    return {"prompts": prompts, "tokens": tokens, "identical": same, "differ_at": parts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--passes", type=int, default=0)
+    parser.add_argument("--llama-cpp", type=int, default=0, metavar="N", help="compare N greedy replies with llama.cpp")
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per reply for --llama-cpp")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.gguf is None:
@@ -173,6 +218,11 @@ def main() -> None:
               f"({p['gguf_bytes_per_pass'] / 1e6:.1f} MB), bf16 {p['bf16_pass_ms']:.1f} ms "
               f"({p['bf16_bytes_per_pass'] / 1e6:.1f} MB); GGUF/bf16 {p['gguf_pass_ms'] / p['bf16_pass_ms']:.2f}x; "
               f"dequantization ~{share:.0%} of a GGUF pass")
+    if args.llama_cpp:
+        result["llama_cpp"] = a = llama_cpp_agreement(args.gguf, args.llama_cpp, args.tokens, args.threads)
+        where = ", ".join(f"token {d['token']} (our top-2 margin {d['our_margin']:.3f})" for d in a["differ_at"])
+        print(f"greedy replies vs llama.cpp on the same file: {a['identical']} of {a['prompts']} identical "
+              f"over {a['tokens']} tokens" + (f"; the others part at {where}" if where else ""))
     print(json.dumps(result))
 
 

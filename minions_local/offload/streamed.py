@@ -222,7 +222,8 @@ class _Reporter:
             self.progress(LoadProgress("target", "disk", self.done, self.total, f"packing layer {i} for the disk tier"))
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
+    """Memory free now for new allocations (MemAvailable; unknown: no limit)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -247,7 +248,7 @@ def _fit_memory(tiers: list[str], layouts: list[LayerLayout], device: torch.devi
         buf_bytes = 0
     # On CPU the device tier is RAM too; resident layers get first claim on it.
     host = ("ram",) if device.type == "cuda" else ("device", "ram")
-    return _demote(tiers, layouts, host, "disk", _available_ram() - buf_bytes - RAM_MARGIN, "RAM", stats)
+    return _demote(tiers, layouts, host, "disk", available_ram() - buf_bytes - RAM_MARGIN, "RAM", stats)
 
 
 def _demote(tiers: list[str], layouts: list[LayerLayout], srcs: tuple[str, ...], dst: str, budget: int,

@@ -122,7 +122,7 @@ def test_pass_after_an_aborted_pass(models, reference, tmp_path):
 
 
 def test_falls_back_to_disk_with_a_visible_warning(models, reference, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(streamed_mod, "_available_ram", lambda: streamed_mod.RAM_MARGIN + 700_000)
+    monkeypatch.setattr(streamed_mod, "available_ram", lambda: streamed_mod.RAM_MARGIN + 700_000)
     with caplog.at_level(logging.WARNING):
         model, stats = load_streamed_causal_lm(models["llama"], tier="ram", dtype=torch.float32, cache_dir=tmp_path)
     assert stats.warnings and "stream from 'disk'" in stats.warnings[0]

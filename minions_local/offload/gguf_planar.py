@@ -103,8 +103,15 @@ def _high_plane(high: torch.Tensor, width: int) -> torch.Tensor:
     return packed
 
 
+CHUNK_WEIGHTS = 1 << 22
+"""Weights dequantized per step. Larger than any tensor of a small model, so a CPU
+runs each op once over the tensor (an op costs ~10 us whatever its size: chunks that
+fit L2 measured slower); it bounds the temporaries for a big model's matrices (a 70B's
+MLP weight is 235 M weights: whole, its float32 temporary would take 940 MB of VRAM)."""
+
+
 def dequantize_planar(planar: torch.Tensor, kind: str | int | BlockType, shape: Sequence[int], *,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, chunk: int = CHUNK_WEIGHTS) -> torch.Tensor:
     """Write the weights of a tensor of `shape` held in planar form (`to_planar`) into
     `out` (contiguous, any float dtype: a 16-bit one gets each float32 weight rounded once)."""
     btype = block_type(kind)
@@ -115,49 +122,58 @@ def dequantize_planar(planar: torch.Tensor, kind: str | int | BlockType, shape: 
     if planar.numel() != btype.nbytes(shape) or out.numel() != numel:
         raise ValueError(f"planar {btype.name} tensor of shape {tuple(shape)}: {planar.numel()} bytes "
                          f"(needs {btype.nbytes(shape)}), out of {out.numel()} weights")
-    planar = planar.reshape(-1)
-    device = planar.device
-    weights = out.view(-1) if out.dtype == torch.float32 else _WORKSPACE.take("weights", (numel,), torch.float32,
-                                                                                device)
-    end = _integers_into(weights, planar, spec, numel)
-    n = numel // btype.block_size
-    fields = []
+    planar, flat, size = planar.reshape(-1), out.view(-1), btype.block_size
+    n = numel // size
+    fields, start = [], _integer_bytes(spec, numel)
     for a, b in spec.fields:
-        fields.append(planar[end : end + n * (b - a)].view(n, b - a))
-        end += n * (b - a)
-    _AFFINE[btype.name](weights.view(n, btype.block_size), fields)
-    if weights is not out:
-        out.view(-1).copy_(weights)
+        fields.append(planar[start : start + n * (b - a)].view(n, b - a))
+        start += n * (b - a)
+    step = max(size, chunk // size * size)
+    for a in range(0, numel, step):
+        b = min(numel, a + step)
+        weights = flat[a:b] if out.dtype == torch.float32 else _WORKSPACE.take("weights", (b - a,), torch.float32,
+                                                                                 planar.device)
+        _integers_into(weights, planar, spec, numel, a, b)
+        _AFFINE[btype.name](weights.view(-1, size), [f[a // size : b // size] for f in fields])
+        if out.dtype != torch.float32:
+            flat[a:b].copy_(weights)
     return out
 
 
-def _integers_into(weights: torch.Tensor, planar: torch.Tensor, spec: PlanarSpec, numel: int) -> int:
-    """Unpack the integers into `weights` (float32, exact); returns where the fields begin."""
+def _integer_bytes(spec: PlanarSpec, numel: int) -> int:
+    """Bytes of the integer planes (where the fields begin)."""
+    return numel if spec.whole_bytes else numel // 2 + numel * spec.high_bits // 8
+
+
+def _integers_into(weights: torch.Tensor, planar: torch.Tensor, spec: PlanarSpec, numel: int, a: int, b: int) -> None:
+    """Weights [a, b)'s integers into `weights` (float32, exact)."""
     if spec.whole_bytes:
-        weights.copy_(planar[:numel].view(torch.int8))
-        return numel
+        weights.copy_(planar[a:b].view(torch.int8))
+        return
     half = numel // 2
-    ints = _WORKSPACE.take("ints", (numel,), torch.uint8, planar.device)
-    nibbles = planar[:half]
-    torch.bitwise_and(nibbles, 0x0F, out=ints[:half])
-    torch.bitwise_right_shift(nibbles, 4, out=ints[half:])  # uint8: a logical shift
-    end = half
+    ints = _WORKSPACE.take("ints", (b - a,), torch.uint8, planar.device)
+    if a < half:  # low nibbles: weights [0, half)
+        e = min(b, half)
+        torch.bitwise_and(planar[a:e], 0x0F, out=ints[: e - a])
+    if b > half:  # high nibbles: weights [half, numel); a uint8 shift is a logical one
+        s = max(a, half)
+        torch.bitwise_right_shift(planar[s - half : b - half], 4, out=ints[s - a :])
     if spec.high_bits:
-        width = spec.high_bits
-        part = numel * width // 8
-        high = _WORKSPACE.take("high", (8 // width, part), torch.uint8, planar.device)
-        shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=planar.device).view(-1, 1)
-        torch.bitwise_right_shift(planar[end : end + part].view(1, -1), shifts, out=high)
+        width, part = spec.high_bits, numel * spec.high_bits // 8
+        planes = planar[half : half + part]
+        high = _WORKSPACE.take("high", (b - a,), torch.uint8, planar.device)
+        for j in range(8 // width):  # bits [j*width, (j+1)*width) of byte k: weight j*part + k
+            s, e = max(a, j * part), min(b, (j + 1) * part)
+            if s < e:
+                torch.bitwise_right_shift(planes[s - j * part : e - j * part], j * width, out=high[s - a : e - a])
         high &= (1 << width) - 1
         high <<= 4
-        ints |= high.view(-1)
-        end += part
+        ints |= high
     if spec.offset:
         ints -= spec.offset  # wraps to the signed value's two's complement
         weights.copy_(ints.view(torch.int8))
     else:
         weights.copy_(ints)
-    return end
 
 
 def _f32(field: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,21 @@ def test_16_bit_outputs_round_the_float32_weight_once(name: str) -> None:
         assert torch.equal(planar_weights(raw, name, tuple(want.shape), dtype=dtype), want.to(dtype)), dtype
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_chunks_across_the_halves_and_planes_give_the_same_weights(name: str) -> None:
+    """Chunks of one block, of a few, and of odd counts land across the nibble halves
+    and the high-bit planes: every size gives the reference's weights."""
+    raw = random_tensor(name, 7, 3, seed=13)
+    want = reference(raw, name)
+    planar = to_planar(torch.from_numpy(raw.copy()).reshape(-1), name, want.shape)
+    size = BLOCK_TYPES[name].block_size
+    for chunk in (size, 3 * size, 5 * size, 1 << 22):
+        for dtype in (torch.float32, torch.bfloat16):
+            out = dequantize_planar(planar, name, want.shape, out=torch.empty(want.shape, dtype=dtype), chunk=chunk)
+            assert torch.equal(out, torch.from_numpy(want).to(dtype)), (chunk, dtype)
+    assert same_bits(dequantize_planar(planar, name, want.shape, out=torch.empty(want.shape), chunk=size), want)
+
+
 def test_the_planes_are_where_the_docstring_says() -> None:
     """Q4_1: weight k in byte k's low nibble, weight k + N/2 in its high one, then the
     float16 scales and mins, each a contiguous plane."""

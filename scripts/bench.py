@@ -13,7 +13,9 @@ adaptive engine with learned selection and with every minion running, our engine
 fixed tree sizes; transformers plain, assisted by a truncated copy of the target and
 by prompt lookup (with accelerate disk offload on the disk tier); llama.cpp plain and
 with prompt lookup (on the disk tier in a child process whose memory group is smaller
-than the model, so mmap must read the weights from disk again).
+than the model, so mmap must read the weights from disk again). With --gguf-target:
+our engine with the target's GGUF as the target (the shipped Q4_1 file's blocks
+streamed), autoregressive and adaptive, against the same model's usual stream.
 
 Every method first tries its thread counts (1, 2) and dtypes (bf16, fp32; for
 llama.cpp the shipped Q4_1 GGUF and an f16 export) in a calibration round and keeps
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed", default=None, help="our fixed tree sizes, e.g. '16,64,256'")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--gguf-target", action="store_true",
+                   help="also our engine with the target's GGUF as the target (its blocks streamed)")
     p.add_argument("--llama-cpp-cache-share", type=float, default=0.5,
                    help="disk tier: share of the GGUF llama.cpp's memory group may keep cached (default 0.5)")
     return p.parse_args(argv)
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     lineup = Lineup(profile=profile, tier=tier, threads=cfg["threads"], dtypes=cfg["dtypes"], gguf_types=cfg["gguf"],
                     fixed_budgets=cfg["fixed"], overrides=standin_overrides(workdir, notes) if args.tiny else {},
                     transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
-                    llama_memory_share=args.llama_cpp_cache_share, private_packs=args.tiny, notes=notes,
+                    llama_memory_share=args.llama_cpp_cache_share, gguf_target=args.gguf_target,
+                    private_packs=args.tiny, notes=notes,
                     workdir=workdir)
     try:
         return _run(args, cfg, lineup, profile, tier, log, started)

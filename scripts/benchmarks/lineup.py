@@ -11,7 +11,9 @@ against the best fixed size in hindsight"); all of one dtype share one loaded ta
 Peers: transformers plain, assisted by a truncated copy of the target (its first K
 layers, norm and head) and by prompt lookup, with accelerate disk offload on the disk
 tier; llama.cpp plain and with prompt lookup, in a memory group smaller than the
-model on the disk tier.
+model on the disk tier. With `gguf_target`: our engine with the target's GGUF file as
+the target (its quantized blocks streamed, offload/gguf_streamed.py), autoregressive
+and adaptive, against today's stream of the same model.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class Lineup:
     n_ctx: int = 1024
     warm_ids: list[int] = field(default_factory=list)
     """A prompt never measured (llama.cpp's children warm up on it, padded to n_ctx)."""
+    gguf_target: bool = False
+    """Also our engine with the target's GGUF as the target (the shipped Q4_1 file for the
+    built-in SmolLM2, else a q8_0 export): autoregressive and adaptive."""
     private_packs: bool = False
     """Stream from layer packs in the run's own folder (stand-ins), not the profile's disk path."""
     notes: list[str] = field(default_factory=list)
@@ -95,6 +100,8 @@ class Lineup:
         """Candidates per logical method, the autoregressive baseline first."""
         ours = [self._ours(name) for name in self.dtypes]
         groups = [[m for per_dtype in ours for m in per_dtype[k]] for k in range(len(ours[0]))]
+        if self.gguf_target:
+            groups += self._gguf_target()
         if self.transformers:
             groups += self._transformers()
         if self.llama_cpp:
@@ -144,6 +151,29 @@ class Lineup:
             engine = engine_sharing_target(base, minions, FixedBudget(nodes=nodes, depth=depth))
             groups.append(method(f"fixed {nodes}", "fixed", engine, f"depth<={depth}, learned selection"))
         return groups
+
+    def _gguf_target(self) -> list[list[Method]]:
+        """[autoregressive, adaptive] with the GGUF as the target, the profile's minions
+        (a substitute made from that file) and tier; its compute dtype as the loader picks."""
+        path = self._gguf("q4_1") or self._gguf("q8_0")
+        kwargs = engine_kwargs_from_profile(self.profile, tier=self.tier, **{**self.overrides, "target": str(path)})
+        if self.private_packs and kwargs.get("stream_options"):
+            kwargs["stream_options"]["cache_dir"] = str(self.workdir / "packs")
+        base = Engine.from_pretrained(**kwargs)
+        target = base.decoder.target
+        math = dtype_name(target.model.dtype)
+        stats = getattr(target, "stream_stats", None)
+        read = f", {stats.bytes_per_pass / 1e6:.1f} MB a pass" if stats is not None else ""
+        detail = f"{path.name} blocks{read}, {math} math"
+        policy = type(base.decoder.policy).__name__
+
+        def method(name: str, engine: Engine, what: str) -> list[Method]:
+            return self._threads(EngineMethod(name, "gguf-target", engine, 1, f"{detail}, {what}", dtype=math,
+                                              weight_bytes=stats.bytes_per_pass if stats else param_bytes(target.model)))
+
+        ar = engine_sharing_target(base, [], FixedBudget(nodes=0, depth=0))
+        return [method("gguf target autoregressive", ar, "no minions"),
+                method("gguf target adaptive", base, f"{policy}, learned selection")]
 
     def _fresh_policy(self, dtype: str):
         """The profile's budget policy, built anew (it learns as it runs, so none is shared)."""

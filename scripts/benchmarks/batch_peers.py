@@ -17,7 +17,8 @@ decoding all N at once, behind the same `run()` as batch_methods.py's methods:
   softmax(logits / temperature) with numpy; a row stops at eos or max_new. On the
   shipped Q4_1 GGUF for SmolLM2, an f32 export of any other target (the stand-ins).
   In RAM, and on the disk tier also in a memory group smaller than the model with the
-  page cache dropped before each run (memlimit.py), as bench.py's llama.cpp peer.
+  page cache dropped before each run (memlimit.py), as bench.py's llama.cpp peer, on a
+  private copy of the file (the in-RAM child's mapped pages would otherwise serve it).
 
 What cannot run here (no llama-cpp-python, no accelerate for the disk tier, no memory
 group, a model llama.cpp will not load) is left out with a note, never an error.
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -44,6 +47,8 @@ from minions_local.offload.dtypes import dtype_name
 
 LLAMA_MEMORY_SHARE = 0.5
 """Share of the GGUF the memory group may keep cached: bench.py's --llama-cpp-cache-share default."""
+PRIVATE_GGUF_DIR = Path("~/.cache/minions-local/bench-batch").expanduser()
+"""Where the memory-limited llama.cpp child's own copy of a shipped GGUF is kept between runs."""
 
 
 def peer_methods(engine, *, profile: str, max_new: int, most: int, notes: list[str], workdir: Path) -> list:
@@ -118,15 +123,27 @@ class LlamaCppBatch:
         self.server = server
         self.eos_ids = eos_ids
         self.notes = notes
+        self.read_bytes = 0
+        self.passes = 0
+        self._closed = False
 
     def run(self, prompts: list[list[int]], max_new: int, temperature: float, seed: int) -> BatchResult:
         out = self.server.run_batch(prompts, max_new, temperature, seed, self.eos_ids)
+        self.read_bytes += out["read_bytes"]
+        self.passes += out["passes"]
         timings = [RequestTiming(t, first, done) for t, first, done in zip(out["tokens"], out["first"], out["done"])]
         return BatchResult(timings, out["seconds"])
 
     def close(self) -> None:
-        """Ends the child and removes its memory group (again: harmless)."""
+        """Ends the child and removes its memory group; says what it read from disk."""
+        if self._closed:
+            return
+        self._closed = True
         self.server.close(self.notes)
+        if self.server.disk and self.passes:
+            self.notes.append(f"{self.name}: {self.read_bytes / self.passes / 1e6:.1f} MB read from disk per "
+                              f"llama_decode ({self.passes} of them; the file is "
+                              f"{self.server.file_bytes / 1e6:.1f} MB)")
 
 
 def _target_folder(engine, profile: str) -> Path:
@@ -188,6 +205,7 @@ def _llama_cpp(engine, target: Path, tier: str, eos: list[int], max_new: int, mo
     tokenizer = engine.tokenizer
     warm = calibration_prompt(tokenizer).ids
     longest = max(len(ids) for ids in [warm, *(p.ids for p in chat_prompts(tokenizer, len(CHAT_PROMPTS)))])
+    cells = longest + max_new + 64
     threads = torch.get_num_threads()
     variants = [("llama.cpp batch", None)]
     if tier == "disk":
@@ -199,10 +217,10 @@ def _llama_cpp(engine, target: Path, tier: str, eos: list[int], max_new: int, mo
             notes.append(f"{name} skipped: {why}")
             continue
         try:
-            server = LlamaCppBatchServer(gguf, threads=threads, sequences=most, n_ctx=longest + max_new + 64,
-                                         warm_ids=warm, memory_share=share,
+            server = LlamaCppBatchServer(gguf if share is None else _private_gguf(gguf, workdir), threads=threads,
+                                         sequences=most, n_ctx=cells, warm_ids=warm, memory_share=share,
                                          tag="batch-limit" if share else "batch-ram", notes=notes)
-        except MethodFailed as err:
+        except (MethodFailed, OSError) as err:  # a child that died loading, no room for the copy
             notes.append(f"{name} skipped: {err}")
             continue
         atexit.register(server.close, notes)  # the child and its group go even if the benchmark fails
@@ -212,9 +230,9 @@ def _llama_cpp(engine, target: Path, tier: str, eos: list[int], max_new: int, mo
             continue
         peers.append(LlamaCppBatch(name, server, eos_ids=eos, notes=notes))
     if peers:
+        limited = "; 'memlimit' runs on its own copy of the file in a memory group, as bench.py's llama.cpp does"
         notes.append(f"llama.cpp batch: {gguf.name} ({kind}), {threads} thread(s), up to {most} sequences of "
-                     f"{longest + max_new + 64} cells each, f16 KV"
-                     + ("; 'memlimit' runs in a memory group as bench.py's llama.cpp does" if len(peers) > 1 else ""))
+                     f"{cells} cells each, f16 KV" + (limited if len(peers) > 1 else ""))
     return peers
 
 
@@ -228,6 +246,22 @@ def _gguf(target: Path, workdir: Path) -> tuple[Path, str]:
     from minions_local.backends.gguf_export import export_gguf
 
     return export_gguf(target, workdir / "target-f32.gguf", type="f32"), "f32, exported"
+
+
+def _private_gguf(gguf: Path, workdir: Path) -> Path:
+    """A copy of the GGUF that no other process maps, for the memory-limited child. A page
+    another process has mapped (the in-RAM child's, a chat on the shipped file) survives
+    every page-cache drop and group squeeze, so the limited child would find the weights
+    in RAM. Copied once (beside an export in the run's folder; else in a cache folder)."""
+    root = workdir if gguf.is_relative_to(workdir) else PRIVATE_GGUF_DIR
+    dest = root / f"{gguf.stem}-memlimit.gguf"
+    if dest.is_file() and dest.stat().st_size == gguf.stat().st_size:
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+    shutil.copyfile(gguf, partial)
+    partial.rename(dest)
+    return dest
 
 
 def _installed(package: str) -> bool:

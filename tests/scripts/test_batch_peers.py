@@ -162,6 +162,8 @@ def test_bench_batch_tiny_with_peers(tmp_path, capsys, monkeypatch):
                 assert row["aggregate_tok_s"] > 0 and row["median_ttft_s"] > 0, (name, n, mode)
                 assert row["tokens_per_pass"] is None and row["identical_to_alone"] is None
     assert not any(key.startswith("failing peer/") for key in rows)  # its runs failed: left out, the rest ran
+    if "llama.cpp batch memlimit/1/greedy" in rows:  # the limited child reads its weights from disk
+        assert "llama.cpp batch memlimit: " in out and "MB read from disk per llama_decode" in out
     assert "note: failing peer N=1 greedy failed: the child died (test)" in out
     if ROOT.is_dir():  # the peers' memory groups are gone once the benchmark returns
         assert not list(ROOT.glob(f"minions-bench-{os.getpid()}-batch*"))

@@ -119,11 +119,11 @@ class BatchRun:
         decoding = [r for r in self.running if r.prefilled]
         try:
             chunks, reading = self.prompt_chunks(busy=bool(decoding))
-            if not decoding and not chunks:
-                return events
-            steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
-                                 r.prepared.seed is not None, r.slot) for r in decoding]
-            results = self.decoder.step_shared(steps, chunks)
+            results = []
+            if decoding or chunks:  # (a newcomer whose slot holds its whole prompt needs no pass)
+                steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
+                                     r.prepared.seed is not None, r.slot) for r in decoding]
+                results = self.decoder.step_shared(steps, chunks)
             for req in reading:
                 if not req.unread:  # its prompt is in the target: the minions read it, and it decodes next
                     self.decoder.prefill_minions(req.reply.context, req.slot)
@@ -135,7 +135,7 @@ class BatchRun:
                 self.pool.give_back(req.slot, [])
             self.running = []
             raise
-        self.passes += 1
+        self.passes += bool(decoding or chunks)
         now = time.perf_counter()
         for req, result in zip(decoding, results):
             self.engine.keep_tree(result)

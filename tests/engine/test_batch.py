@@ -151,3 +151,22 @@ def test_a_newcomers_prompt_rides_along_in_the_running_requests_passes(families)
     done = {r.tag: e.generation.token_ids for r, e in events if isinstance(e, DoneEvent)}
     assert [done[i] for i in range(3)] == alone
     run.close()
+
+
+def test_a_prompt_its_slot_already_holds_needs_no_pass(families):
+    """The same prompt again takes the slot that holds it (a conversation's next turn
+    does this too): nothing is left to read, and it decodes at once."""
+    engine = _engine(families["llama"])
+    prompt = random_prompts(1, 96, seed=12)[0]
+    run = engine.batch_run(1)
+    first = run.admit(engine.prepare(prompt, max_new_tokens=6))
+    while run.running:
+        run.step()
+    again = run.admit(engine.prepare(prompt, max_new_tokens=6))
+    assert again.slot == first.slot
+    events = run.step()  # no pass: the prompt is in the cache already
+    assert not events and again.prefilled and run.passes == len(first.reply.steps) + 1
+    while run.running:
+        events += run.step()
+    assert again.reply.out.ids == first.reply.out.ids
+    run.close()

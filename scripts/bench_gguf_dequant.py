@@ -142,13 +142,10 @@ def passes(path: Path, n: int) -> dict:
 
 def llama_cpp_agreement(path: Path, prompts: int, tokens: int, threads: int) -> dict:
     """Greedy replies of our GGUF target against llama.cpp's on the same file."""
-    import sys
-
     from llama_cpp import Llama
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchmarks.chat_prompts import CHAT_PROMPTS
+    from benchmarks.chat_prompts import CHAT_PROMPTS  # scripts/ is on the path: this file runs from there
 
     from minions_local.models.gguf_target import ensure_side_folder
     from minions_local.offload.gguf_streamed import load_streamed_gguf

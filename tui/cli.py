@@ -65,13 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report(kind: str, profile: str, out: TextIO, err: TextIO) -> int:
-    """--plan and --list-profiles: the profile package's report, no weights loaded."""
+def _report(kind: str, profile: str, out: TextIO, err: TextIO, *, target: str | None = None,
+            minions: list[str] | None = None) -> int:
+    """--plan and --list-profiles: the profile package's report, no weights loaded
+    (--target and --minion override the profile's models in the plan, as in the chat)."""
     from minions_local.profile import cli
 
     try:
         if kind == "plan":
-            out.write(cli.plan_report(profile).rstrip("\n") + "\n")
+            out.write(cli.plan_report(profile, target=target, minions=minions).rstrip("\n") + "\n")
         else:
             out.write("\n".join(cli.available_profiles()) + "\n")
     except MinionsError as error:
@@ -107,7 +109,7 @@ def main(
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     args = build_parser().parse_args(argv)
     if args.plan:
-        return _report("plan", args.profile, stdout, stderr)
+        return _report("plan", args.profile, stdout, stderr, target=args.target, minions=args.minions)
     if args.list_profiles:
         return _report("list-profiles", args.profile, stdout, stderr)
 

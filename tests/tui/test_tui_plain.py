@@ -119,10 +119,14 @@ def test_repl_resume_continues_the_latest(tmp_path):
 def test_plan_prints_the_profiles_report(monkeypatch):
     from minions_local.profile import cli
 
-    monkeypatch.setattr(cli, "plan_report", lambda name: f"plan for {name}\n")
+    monkeypatch.setattr(cli, "plan_report",
+                        lambda name, target=None, minions=None: f"plan for {name} {target} {minions}\n")
     monkeypatch.setattr(cli, "available_profiles", lambda: ["cpu-demo", "rtx4090-70b"])
     code, out, _, factory = run(["--plan", "-p", "rtx4090-70b"])
-    assert code == 0 and out == "plan for rtx4090-70b\n" and factory.calls == []
+    assert code == 0 and out == "plan for rtx4090-70b None None\n" and factory.calls == []
+    # --target and --minion reach the plan, as they reach the chat's engine.
+    code, out, _, _ = run(["--plan", "-p", "cpu-demo-disk", "--target", "x.gguf", "--minion", "ngram"])
+    assert code == 0 and out == "plan for cpu-demo-disk x.gguf ['ngram']\n"
     code, out, _, _ = run(["--list-profiles"])
     assert code == 0 and out.split() == ["cpu-demo", "rtx4090-70b"]
 
@@ -130,7 +134,7 @@ def test_plan_prints_the_profiles_report(monkeypatch):
 def test_plan_reports_profile_errors(monkeypatch):
     from minions_local.profile import cli
 
-    def plan_report(name):
+    def plan_report(name, target=None, minions=None):
         raise ProfileError(f"No profile named '{name}'.")
 
     monkeypatch.setattr(cli, "plan_report", plan_report)

@@ -33,14 +33,14 @@ from minions_local.core.events import LoadProgress
 from minions_local.models.gguf_target import RESIDENT_TENSORS, GGUFTarget, ensure_side_folder, hf_rows, open_target
 from minions_local.offload.binding import DequantScratch, install_streaming
 from minions_local.offload.checkpoint import folder_key
-from minions_local.offload.disk import PackReader, check_writable, open_pack, pack_name, write_pack
+from minions_local.offload.disk import PackReader
 from minions_local.offload.dtypes import compute_dtype, dtype_name
 from minions_local.offload.gguf_blocks import block_type, dequantize
 from minions_local.offload.gguf_planar import to_planar
 from minions_local.offload.layer_store import DiskSource, RamSource, StreamStats
 from minions_local.offload.layout import PIECE_ALIGN, LayerLayout, Piece, aligned_empty, round_up, storage_order
 from minions_local.offload.skeleton import decoder_layers, rebuild_meta_buffers, skeleton_model
-from minions_local.offload.streamed import _fit_memory, _layer_tiers, _read_mode, _Reporter
+from minions_local.offload.streamed import _fit_memory, _layer_tiers, _read_mode, _Reporter, open_or_write_packs
 
 PACK_FORMAT = "gguf-2"
 """Part of a GGUF pack's fingerprint: bump it when what a pack holds changes."""
@@ -245,26 +245,11 @@ def _ensure_packs(target: GGUFTarget, file, plans: list[list[_Tensor]], layouts:
         cache_dir = Path(user_cache_dir("minions-local")) / "packs"
     pack_dir = Path(cache_dir).expanduser() / folder_key(target.path) / f"gguf-{layouts[0].dtype}"
     fingerprint = f"{PACK_FORMAT}:{target.file.fingerprint()}"
-    packs, todo = {}, []
-    for i, t in enumerate(tiers):
-        if t != "disk":
-            continue
-        pack = open_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], fingerprint=fingerprint)
-        if pack is None:
-            todo.append(i)
-        else:
-            packs[i] = pack
-    if todo:
-        check_writable(pack_dir, sum(layouts[i].padded_nbytes + 8192 for i in todo))
-        payload = aligned_empty(max(layouts[i].padded_nbytes for i in todo))
-        for i in todo:
-            report.packing(i, layouts[i].nbytes)
-            _payload(target, file, plans[i], layouts[i], out=payload[: layouts[i].padded_nbytes])
-            packs[i] = write_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], payload=payload,
-                                  fingerprint=fingerprint)
-    for i in packs:
-        report.layer(i, "disk", layouts[i].nbytes, f"layer {i} -> disk ({pack_dir})")
-    return packs
+
+    def fill(i: int, payload: torch.Tensor) -> None:
+        _payload(target, file, plans[i], layouts[i], out=payload[: layouts[i].padded_nbytes])
+
+    return open_or_write_packs(pack_dir, fingerprint, layouts, tiers, report, fill)
 
 
 def _drop_page_cache(path: Path) -> None:

@@ -280,7 +280,19 @@ def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[Lay
 
         cache_dir = Path(user_cache_dir("minions-local")) / "packs"
     pack_dir = Path(cache_dir).expanduser() / folder_key(folder) / f"{layouts[0].dtype}-{layouts[0].quant}"
-    fingerprint = ckpt.fingerprint()
+
+    def fill(i: int, payload: torch.Tensor) -> None:
+        tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
+        pack_layer(layouts[i], tensors, payload)
+
+    return open_or_write_packs(pack_dir, ckpt.fingerprint(), layouts, tiers, report, fill)
+
+
+def open_or_write_packs(pack_dir: Path, fingerprint: str, layouts: list[LayerLayout], tiers: list[str],
+                        report: _Reporter, fill: Callable[[int, torch.Tensor], None]) -> dict:
+    """The pack file of every disk-tier layer: the one in `pack_dir` where it is whole
+    and of this `fingerprint`, else written anew from what `fill(i, payload)` puts in
+    the layer's payload buffer (a checkpoint's tensors, a GGUF file's blocks)."""
     packs, todo = {}, []
     for i, t in enumerate(tiers):
         if t != "disk":
@@ -295,8 +307,7 @@ def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[Lay
         payload = aligned_empty(max(layouts[i].padded_nbytes for i in todo))
         for i in todo:
             report.packing(i, layouts[i].nbytes)
-            tensors = {rel: ckpt.get(f"{prefix}.{i}.{rel}") for rel in layouts[i].param_numel()}
-            pack_layer(layouts[i], tensors, payload)
+            fill(i, payload)
             packs[i] = write_pack(pack_dir / pack_name(i), layer=i, layout=layouts[i], payload=payload,
                                   fingerprint=fingerprint)
     for i in packs:

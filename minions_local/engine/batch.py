@@ -125,8 +125,10 @@ class BatchRun:
                                      r.prepared.seed is not None, r.slot) for r in decoding]
                 results = self.decoder.step_shared(steps, chunks)
             for req in reading:
-                if not req.unread:  # its prompt is in the target: the minions read it, and it decodes next
-                    self.decoder.prefill_minions(req.reply.context, req.slot)
+                if not req.unread:  # its prompt is in the target: it decodes next, and the
+                    # minions read it when it first gets a tree (at 16 requests on a
+                    # compute-bound CPU it may never get one: no read is wasted)
+                    self.decoder.prefill_minions(req.reply.context, req.slot, until_a_tree=True)
                     req.prefilled = True
                     req.reply.prefill_seconds = time.perf_counter() - req.joined_at
         except BaseException:

@@ -59,6 +59,13 @@ class CostModelBudget:
     _steps: deque = field(default_factory=deque, repr=False)
     """Recent (record, the budget that step was given)."""
     _seen: int = 0
+    """Target passes observed (a shared pass's records count as one between them)."""
+    _pass_records: int = 0
+    """Records of the pass now being observed that have arrived so far."""
+    _passes: deque = field(default_factory=deque, repr=False)
+    """Recent passes' (draft nodes priced, seconds): one sample per target pass."""
+    _surprised: bool = False
+    """A grow of this pass took far longer than predicted: refit once the pass is in."""
     _participation: dict = field(default_factory=dict, repr=False)
     _grown: dict = field(default_factory=dict, repr=False)
     """Per regime, its recent steps that verified a tree."""
@@ -76,6 +83,7 @@ class CostModelBudget:
     def __post_init__(self) -> None:
         self._prior = self.model
         self._steps = deque(maxlen=self.window)
+        self._passes = deque(maxlen=self.window)
         self.rates = {regime: self.acceptance for regime in REGIMES} | self.rates
         self.decays = {regime: SIBLING_DECAY for regime in REGIMES} | self.decays
 
@@ -87,10 +95,7 @@ class CostModelBudget:
             return self._last
         # The answer only changes when the model is refit: between refits, reuse it
         # (the search is ~1 ms of Python, a few percent of a small step).
-        key = (depth_cap, regime)
-        if key not in self._chosen:
-            self._chosen[key] = self._best(depth_cap, regime)
-        self._last = self._chosen[key]
+        self._last = self._alone(depth_cap, regime)
         if self._last.nodes == 0:
             self._idle += 1
             if self._idle >= self.probe_every:
@@ -100,22 +105,33 @@ class CostModelBudget:
             self._idle = 0
         return self._last
 
-    def choose_shared(self, requests: Sequence[tuple[int, str]]) -> list[StepBudget]:
+    def choose_shared(self, requests: Sequence[tuple[int, str] | tuple[int, str, float]]) -> list[StepBudget]:
         """Budgets for requests that share one target pass, each given as (remaining
-        tokens, regime): one row budget split between them to maximise the tokens all
-        of them accept per second (row_budget.py). Cached like `choose`: the split only
-        changes when the model is refit or the mix of requests does."""
-        keys = [(max(0, min(self.max_depth, remaining - 1)), regime) for remaining, regime in requests]
+        tokens, regime[, seconds its minions would take to read what they have not
+        read yet]): one row budget split between them to maximise the tokens all of
+        them accept per second (row_budget.py). Cached like `choose`: the split only
+        changes when the model is refit or the mix of requests does.
+
+        A request whose minions have not read its prompt (engine/batch.py defers the
+        read until a tree pays) pays that read with its first tree: the read is priced
+        into its trees, spread over the steps it has left at that tree's pace."""
+        keys = [(max(0, min(self.max_depth, r[0] - 1)), r[1], _read_share(r[2] if len(r) > 2 else 0.0, r[0]))
+                for r in requests]
         order = sorted(range(len(keys)), key=lambda i: keys[i])
         mix = tuple(keys[i] for i in order)
         if mix not in self._chosen:
             self._chosen[mix] = self._split(mix)
         budgets = self._chosen[mix]
-        if not any(b.nodes for b in budgets) and any(cap for cap, _ in mix):
+        if not any(b.nodes for b in budgets) and any(cap for cap, _, _ in mix):
             self._idle += 1
             if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see choose)
                 self._idle = 0
-                budgets = [self._probe(cap, regime) if cap else b for (cap, regime), b in zip(mix, budgets)]
+                # One request's tree measures acceptance as well as all of them: the
+                # cheapest to read grows it (a probe must not make 16 prompts be read).
+                pick = min((i for i, (cap, _, _) in enumerate(mix) if cap), key=lambda i: mix[i][2])
+                cap, regime, _ = mix[pick]
+                budgets = list(budgets)
+                budgets[pick] = self._probe(cap, regime)
         else:
             self._idle = 0
         out: list[StepBudget] = [budgets[0]] * len(keys)
@@ -129,14 +145,16 @@ class CostModelBudget:
             self._chosen[key] = self._best(depth_cap, regime, min_nodes=max(1, self.min_nodes))
         return self._chosen[key]
 
-    def _split(self, mix: tuple[tuple[int, str], ...]) -> list[StepBudget]:
+    def _split(self, mix: tuple[tuple[int, str, float], ...]) -> list[StepBudget]:
         """Each request weighs the trees of its lone best tree's family (that depth),
         up to that tree's size: a pass the others already pay for leaves a tree less to
         amortize, so sharing never makes a bigger tree pay than alone (and a request
-        whose trees do not pay alone decodes without one)."""
+        whose trees do not pay alone decodes without one). A tree's grow time carries
+        the request's unread prompt (`read_share`: seconds per token it will commit),
+        times the tokens a step with that tree commits."""
         curves, depth_tables = [], []
-        for cap, regime in mix:
-            alone = self._chosen.setdefault((cap, regime), self._best(cap, regime)) if cap else None
+        for cap, regime, read_share in mix:
+            alone = self._alone(cap, regime) if cap else None
             if alone is None or alone.nodes == 0:
                 curves.append(TreeCurve((0.0,), (0.0,)))
                 depth_tables.append((0,))
@@ -144,18 +162,27 @@ class CostModelBudget:
             gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), alone.nodes, alone.depth,
                                                   self.top_k, self.decays[regime])
             expected = self._expected_model(regime)
-            grow = [0.0] + [expected.t_grow(n, depths[n]) for n in range(1, len(gains))]
+            grow = [0.0] + [expected.t_grow(n, depths[n]) + read_share * (1 + gains[n]) for n in range(1, len(gains))]
             curves.append(TreeCurve(gains, grow))
             depth_tables.append(depths)
         nodes = split_rows(curves, self.model.t_verify)
         t_verify = self.model.t_verify(sum(nodes) + len(nodes) - 1)
         budgets = []
-        for (cap, _), n, curve, depths in zip(mix, nodes, curves, depth_tables):
+        for (cap, _, read_share), n, curve, depths in zip(mix, nodes, curves, depth_tables):
             depth = depths[n] if n else 0
+            grow = curve.grow[n] - read_share * (1 + curve.gains[n]) if n else 0.0  # the read is not growing
             budgets.append(StepBudget(nodes=n, depth=depth, width=grow_shape(n, depth)[1] if n else 1,
-                                      depth_cap=cap, predicted_t_verify=t_verify, predicted_t_grow=curve.grow[n],
+                                      depth_cap=cap, predicted_t_verify=t_verify, predicted_t_grow=grow,
                                       grow_overhead=self.model.step_overhead, grow_models=self.model.grow))
         return budgets
+
+    def _alone(self, depth_cap: int, regime: str) -> StepBudget:
+        """The best tree for one request by itself, cached as `choose` caches it (the
+        search is ~4 ms: a split of 16 requests must not redo it 16 times a pass)."""
+        key = (depth_cap, regime)
+        if key not in self._chosen:
+            self._chosen[key] = self._best(depth_cap, regime)
+        return self._chosen[key]
 
     def _best(self, depth_cap: int, regime: str, min_nodes: int | None = None) -> StepBudget:
         rate = self.rates[regime]
@@ -197,14 +224,25 @@ class CostModelBudget:
         predicted = record.predicted_t_grow
         # A grow far dearer than predicted refits at once: waiting for the next regular
         # refit would pay for several more trees the model wrongly thinks are cheap.
-        surprise = predicted is not None and record.tree_size > 0 and record.t_grow > 2 * predicted + 0.005
+        self._surprised |= predicted is not None and record.tree_size > 0 and record.t_grow > 2 * predicted + 0.005
         if record.tree_size > 0 and record.depth > 0:
             # Acceptance is learned from each regime's own recent trees: a run of
             # sampled requests must not push the greedy ones out of the window.
             self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
             self._stale.add(record.regime)
+        # A shared pass's records arrive together, one per request (decode.py
+        # step_shared): the pass is one verify sample and one step towards a refit.
+        # Counting records instead refit twice a pass at 16 requests, each refit
+        # dropping the cached split (~30 ms of Python a pass), and let 4 passes fill
+        # the whole verify window.
+        self._pass_records += 1
+        if self._pass_records < max(1, record.batch_size):
+            return
+        self._pass_records = 0
+        self._passes.append((pass_nodes(record), record.t_verify))
         self._seen += 1
-        if self._seen % self.refit_every == 0 or surprise:
+        if self._seen % self.refit_every == 0 or self._surprised:
+            self._surprised = False
             self.refit()
 
     def refit(self) -> None:
@@ -212,7 +250,7 @@ class CostModelBudget:
         if not self._steps:
             return
         grown = [(r, b) for r, b in self._steps if r.tree_size > 0 and b is not None and b.depth > 0]
-        model = self._prior.refined(verify_samples=[(pass_nodes(r), r.t_verify) for r, _ in self._steps],
+        model = self._prior.refined(verify_samples=list(self._passes),
                                     grow_samples=grow_samples(grown))
         overheads = [r.t_grow - sum(r.minion_t_grow.values()) for r, _ in grown if r.minion_t_grow]
         if overheads:
@@ -230,6 +268,15 @@ class CostModelBudget:
                                                           self.top_k, self.decays[regime])
         self._stale.clear()
         self._chosen.clear()
+
+
+def _read_share(read_seconds: float, remaining: int) -> float:
+    """A pending prompt read's seconds per token the request may still commit, on a
+    10%-step grid (a cache key: the split is not redone as each step reads one token
+    more or commits one token less)."""
+    if read_seconds <= 0 or remaining <= 0:
+        return 0.0
+    return round(math.exp(round(math.log(read_seconds / remaining) * 10) / 10), 6)
 
 
 def pass_nodes(record: StepRecord) -> int:

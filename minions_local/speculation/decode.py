@@ -84,7 +84,8 @@ class _Plan:
     weights: list[float]
     tree: TokenTree
     alone: bool
-    """The minions have not read the prompt: the target decodes this step alone."""
+    """The minions have not read the prompt: the target decodes this step alone (the
+    tokens it commits are the minions' to read later, with the prompt)."""
     t_grow: float
 
 
@@ -112,6 +113,9 @@ class Decoder:
         cost model predicts it."""
         self.lanes: dict[int, Lane] = {0: Lane()}
         """Per slot in use: what the decoder remembers of that request."""
+        self.read_seconds_per_token: float | None = None
+        """What the minions' prompt reads have cost a token (a running average): the
+        price of a deferred read (`prefill_minions(until_a_tree=True)`)."""
         self.selectors: dict[str, MinionSelector] = {}
         """One per regime: which minion pays differs between greedy and sampled decoding
         (the n-gram minion's exact repeats, say, are worth less against sampling)."""
@@ -154,23 +158,46 @@ class Decoder:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
 
-    def prefill_minions(self, context: list[int], slot: int) -> None:
+    def prefill_minions(self, context: list[int], slot: int, *, until_a_tree: bool = False) -> None:
         """The minions' part of `prefill`, once the target's cache holds the prompt (a
         prompt read in shared passes, engine/batch.py): read it now, or, when it is long,
-        after the request's first step (which the target then decodes alone)."""
+        after the request's first step (which the target then decodes alone).
+
+        until_a_tree: read it only when the request first gets a tree. Among many
+        requests trees may not pay at all (a compute-bound CPU at 16 requests), and
+        then reading 16 prompts into the minions is time lost; the budget policy
+        prices the read into the request's trees (cost_policy.choose_shared)."""
         self._minions_use(slot)
         lane = self.lanes.setdefault(slot, Lane())
         unread = len(context) - common_prefix_len(lane.minions_saw, context)
-        if self.minions and unread >= self.MINIONS_READ_LATER:
+        if self.minions and unread and until_a_tree:
+            lane.prompt_unread = "until a tree"
+        elif self.minions and unread >= self.MINIONS_READ_LATER:
             lane.prompt_unread = "first step"
         else:
             self._minions_read(lane, context)
 
     def _minions_read(self, lane: Lane, context: list[int]) -> None:
+        unread = len(context) - common_prefix_len(lane.minions_saw, context)
+        start = time.perf_counter()
         lane.minions_saw = list(context)
         lane.prompt_unread = None
         for m in self.minions:
             m.prefill(context)
+        if unread >= self.TIMED_READ:
+            per_token = (time.perf_counter() - start) / unread
+            known = self.read_seconds_per_token
+            self.read_seconds_per_token = per_token if known is None else 0.7 * known + 0.3 * per_token
+
+    TIMED_READ = 16
+    """Reads shorter than this say little about a read's cost per token (a minion's
+    fixed cost per pass dominates them)."""
+
+    def _unread_seconds(self, lane: Lane, context: list[int]) -> float:
+        """What reading the context the minions have not seen would cost now."""
+        if lane.prompt_unread != "until a tree" or self.read_seconds_per_token is None:
+            return 0.0
+        return (len(context) - common_prefix_len(lane.minions_saw, context)) * self.read_seconds_per_token
 
     def use_slot(self, slot: int) -> None:
         """Point the target and every minion at `slot`'s state."""
@@ -271,7 +298,9 @@ class Decoder:
                 asking.append(i)
         shared = getattr(self.policy, "choose_shared", None)
         if len(asking) > 1 and shared is not None:
-            picked = shared([(requests[i].remaining, requests[i].regime) for i in asking])
+            picked = shared([(requests[i].remaining, requests[i].regime,
+                              self._unread_seconds(self.lanes[requests[i].slot], requests[i].context))
+                             for i in asking])
         else:
             picked = [self.policy.choose(requests[i].remaining, regime=requests[i].regime) for i in asking]
         for i, budget in zip(asking, picked):
@@ -283,11 +312,11 @@ class Decoder:
         start = time.perf_counter()
         lane = self.lanes.setdefault(request.slot, Lane())
         self._minions_use(request.slot)
-        if lane.prompt_unread == "read now":  # not timed as growing: the cost model prices trees
-            self._minions_read(lane, request.context)
+        if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and budget.nodes > 0):
+            self._minions_read(lane, request.context)  # not timed as growing: the policy prices it apart
             start = time.perf_counter()
-        alone = lane.prompt_unread == "first step"
-        if alone:
+        alone = lane.prompt_unread is not None
+        if lane.prompt_unread == "first step":
             lane.prompt_unread = "read now"
         selector = self.selector(request.regime)
         weights = selector.weights()

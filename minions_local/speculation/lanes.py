@@ -35,7 +35,9 @@ class Lane:
     """What the decoder remembers of one slot between steps."""
 
     prompt_unread: str | None = None
-    """A long prompt the minions have not read (`prefill`): None, "first step" (the
-    target gives it alone) or "read now" (before the second step)."""
+    """A prompt the minions have not read (`prefill`, `prefill_minions`): None, "first
+    step" (a long one: the target gives the first token alone), "read now" (before
+    the second step) or "until a tree" (a batch request: read when it first gets a
+    tree, and the target decodes it alone until then)."""
     minions_saw: list[int] = field(default_factory=list)
     """The context the minions' caches were last brought to."""

@@ -170,3 +170,47 @@ def test_a_prompt_its_slot_already_holds_needs_no_pass(families):
         events += run.step()
     assert again.reply.out.ids == first.reply.out.ids
     run.close()
+
+
+class _TreesFrom:
+    """A policy that gives no tree until step `start`, then a fixed one."""
+
+    def __init__(self, start: int) -> None:
+        self.calls, self.start = 0, start
+
+    def choose(self, remaining_tokens: int, regime: str = "greedy"):
+        from minions_local.speculation.budget import FixedBudget
+
+        self.calls += 1
+        return FixedBudget(nodes=4 if self.calls > self.start else 0, depth=3).choose(remaining_tokens, regime)
+
+    def observe(self, record) -> None:
+        pass
+
+
+@pytest.mark.parametrize("start", [10**9, 6])
+def test_the_minions_read_a_batch_prompt_only_once_it_gets_a_tree(families, monkeypatch, start):
+    """Where no tree pays (16 requests on a compute-bound CPU), reading every prompt
+    into the minions is time lost: a batch request's minions read its context at its
+    first tree, and never if none comes. Replies stay what they are alone."""
+    engine = _engine(families["llama"])
+    prompts = random_prompts(3, 96, seed=21)
+    alone = []
+    for p in prompts:
+        engine.reset()
+        alone.append(engine.generate(p, max_new_tokens=12).token_ids)
+    reads = []
+    close = engine.decoder.minions[0]
+    monkeypatch.setattr(close, "prefill", lambda context, _orig=close.prefill: (reads.append(len(context)),
+                                                                               _orig(context))[1])
+    engine.decoder.policy = _TreesFrom(start)
+    batch = engine.generate_batch(prompts, max_new_tokens=12, parallel=3)
+    assert [g.token_ids for g in batch] == alone
+    trees = [s.tree_size for g in batch for s in g.steps]
+    if start > 100:
+        assert reads == [] and not any(trees)
+    else:
+        # each request read once, at its first tree: its prompt and the tokens decoded till then
+        assert len(reads) == 3, reads
+        assert all(n > length for n, length in zip(sorted(reads), sorted(map(len, prompts)))), (reads, prompts)
+        assert any(trees)

@@ -333,3 +333,28 @@ def test_a_grow_far_dearer_than_predicted_refits_at_once():
                               minion_t_grow={"m": measured}, predicted_t_grow=b.predicted_t_grow))
     assert policy.model.grow[0].pass_seconds(b.width) > 2 * GrowTime("m", 0.001, 0.0001).pass_seconds(b.width)
     assert policy.choose(1000).nodes < b.nodes
+
+
+def test_a_shared_pass_is_one_step_of_the_refit_and_one_verify_sample():
+    """16 requests' records of one pass refit no sooner than 1 record would, and the
+    pass's time enters the verify fit once (not 16 times, crowding out older passes)."""
+    prior = CostModel(VerifyTime(flat=0.3, base=0.2, slope=0.004), (GrowTime("m", 0.01, 0.0002),))
+    policy = CostModelBudget(prior, max_nodes=32, max_depth=8, refit_every=4)
+    refits = []
+    policy.refit = lambda: refits.append(len(policy._passes))  # type: ignore[method-assign]
+
+    def shared_pass(k: int, rows: int, seconds: float) -> None:
+        for _ in range(k):
+            policy.observe(StepRecord(tree_size=rows // k - 1, accepted=0, t_grow=0.01, t_verify=seconds,
+                                      depth=1, batch_size=k, pass_rows=rows, minion_t_grow={"m": 0.009}))
+
+    for i in range(3):
+        shared_pass(16, 32, 0.5)
+    assert refits == [] and len(policy._passes) == 3
+    shared_pass(16, 32, 0.5)
+    assert refits == [4]  # the 4th pass, as 4 lone steps would
+    for i in range(3):
+        shared_pass(1, 4, 0.3)
+    shared_pass(1, 4, 0.3)
+    assert refits == [4, 8]
+    assert list(policy._passes)[:4] == [(31, 0.5)] * 4

@@ -59,3 +59,18 @@ def test_the_policy_splits_between_regimes_and_never_beyond_a_lone_tree():
     total = sum(b.nodes for b in budgets) + len(budgets) - 1
     assert all(b.predicted_t_verify == model.t_verify(total) for b in budgets)
     assert policy.choose_shared([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")]) == budgets
+
+
+def test_a_pending_prompt_read_is_priced_into_a_requests_trees():
+    """A batch request whose minions have not read its prompt pays the read with its
+    first tree: dear enough, and the split decodes it without one; a probe then grows
+    one tree, for the request cheapest to read, not one for every request."""
+    model = CostModel(VerifyTime(flat=0.1, base=0.01, slope=0.001), (GrowTime("m", 0.004, 0.0002),))
+    policy = CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=8, probe_every=4)
+    assert all(b.nodes > 0 for b in policy.choose_shared([(100, "greedy", 0.0)] * 4))
+    assert all(b.nodes > 0 for b in policy.choose_shared([(100, "greedy", 0.05)] * 4))  # 0.5 ms a token
+    dear = [(100, "greedy", 30.0), (100, "greedy", 20.0), (100, "greedy", 25.0)]
+    picks = [policy.choose_shared(dear) for _ in range(4)]
+    assert all(b.nodes == 0 for step in picks[:3] for b in step)
+    assert [b.nodes > 0 for b in picks[3]] == [False, True, False]  # the probe: the cheapest read
+    assert picks[0][0].predicted_t_grow == 0.0

@@ -40,7 +40,7 @@ from minions_local.offload.gguf_planar import to_planar
 from minions_local.offload.layer_store import DiskSource, RamSource, StreamStats
 from minions_local.offload.layout import PIECE_ALIGN, LayerLayout, Piece, aligned_empty, round_up, storage_order
 from minions_local.offload.skeleton import decoder_layers, rebuild_meta_buffers, skeleton_model
-from minions_local.offload.streamed import _fit_memory, _layer_tiers, _read_mode, _Reporter, open_or_write_packs
+from minions_local.offload.streamed import PackProgress, fit_memory, layer_tiers_for, open_or_write_packs, read_mode
 
 PACK_FORMAT = "gguf-2"
 """Part of a GGUF pack's fingerprint: bump it when what a pack holds changes."""
@@ -79,13 +79,13 @@ def load_streamed_gguf(
     layers, prefix = decoder_layers(model)
     plans = [_layer_plan(target, i, layer) for i, layer in enumerate(layers)]
     _check_no_unused(target, plans)
-    tiers = _layer_tiers(layer_tiers, tier, len(layers))
+    tiers = layer_tiers_for(layer_tiers, tier, len(layers))
     stats = StreamStats()
-    report = _Reporter(progress)
+    report = PackProgress(progress)
     layouts = [_layout(plan, dtype) for plan in plans]
     with open(target.path, "rb") as file:
         _load_resident(model, target, file, device, dtype)
-        tiers = _fit_memory(tiers, layouts, device, buffers, stats)
+        tiers = fit_memory(tiers, layouts, device, buffers, stats)
         report.total = sum(lay.nbytes for lay in layouts)
         packs = _ensure_packs(target, file, plans, layouts, tiers, cache_dir, report) if "disk" in tiers else {}
         scratch = DequantScratch(layouts, "gguf", dtype, device)
@@ -106,7 +106,7 @@ def load_streamed_gguf(
             stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
             for i in streamed:
                 stats.bytes_by_tier[tiers[i]] = stats.bytes_by_tier.get(tiers[i], 0) + layouts[i].nbytes
-            stats.read_mode = _read_mode(sources, stats)
+            stats.read_mode = read_mode(sources, stats)
         except BaseException:
             for s in sources:
                 s.close()
@@ -237,7 +237,7 @@ def _load_resident_layer(layer: nn.Module, target: GGUFTarget, file, plan: list[
 
 
 def _ensure_packs(target: GGUFTarget, file, plans: list[list[_Tensor]], layouts: list[LayerLayout],
-                  tiers: list[str], cache_dir, report: _Reporter) -> dict:
+                  tiers: list[str], cache_dir, report: PackProgress) -> dict:
     """Pack files of the disk-tier layers' GGUF bytes, reusing those that are up to date."""
     if cache_dir is None:
         from platformdirs import user_cache_dir

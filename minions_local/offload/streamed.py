@@ -99,13 +99,13 @@ def load_streamed_causal_lm(
     model = skeleton_model(folder, dtype, attn_implementation)
     ckpt.check_all_used(model)  # no stored layer may be dropped
     layers, prefix = decoder_layers(model)
-    tiers = _layer_tiers(layer_tiers, tier, len(layers))
+    tiers = layer_tiers_for(layer_tiers, tier, len(layers))
     stats = StreamStats()
-    report = _Reporter(progress)
+    report = PackProgress(progress)
 
     layouts = [_layout(ckpt, prefix, i, layer, quant, dtype) for i, layer in enumerate(layers)]
     load_resident_parts(model, ckpt, prefix, device, dtype)
-    tiers = _fit_memory(tiers, layouts, device, buffers, stats)
+    tiers = fit_memory(tiers, layouts, device, buffers, stats)
     report.total = sum(lay.nbytes for lay in layouts)
     if "disk" in tiers:
         packs = _ensure_packs(folder, ckpt, prefix, layouts, tiers, cache_dir, report)
@@ -127,7 +127,7 @@ def load_streamed_causal_lm(
         stats.bytes_per_pass = sum(s.layout.nbytes for s in sources)
         for i in streamed:
             stats.bytes_by_tier[tiers[i]] = stats.bytes_by_tier.get(tiers[i], 0) + layouts[i].nbytes
-        stats.read_mode = _read_mode(sources, stats)
+        stats.read_mode = read_mode(sources, stats)
     except BaseException:
         for s in sources:
             s.close()
@@ -179,7 +179,8 @@ def _place_layer(i: int, layer: nn.Module, tier: str, layout: LayerLayout, packs
     return None
 
 
-def _layer_tiers(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:
+def layer_tiers_for(layer_tiers: Sequence[str] | None, tier: str, n: int) -> list[str]:
+    """Each of n layers' tier: the plan's per-layer list, or `tier` for all of them."""
     tiers = list(layer_tiers) if layer_tiers is not None else [tier] * n
     if len(tiers) != n:
         raise MemoryPlanError(f"layer_tiers has {len(tiers)} entries but the model has {n} decoder layers; "
@@ -206,7 +207,9 @@ def _layout(ckpt: Checkpoint, prefix: str, i: int, layer: nn.Module, quant: str,
     return plan_layout(shapes, quant, dtype)
 
 
-class _Reporter:
+class PackProgress:
+    """Load progress while packs are written and layers placed (a GGUF loader shares it)."""
+
     def __init__(self, progress: Callable[[LoadProgress], None] | None) -> None:
         self.progress = progress
         self.total = 0
@@ -234,7 +237,7 @@ def available_ram() -> int:
     return 1 << 62  # unknown: trust the plan
 
 
-def _fit_memory(tiers: list[str], layouts: list[LayerLayout], device: torch.device, buffers: int,
+def fit_memory(tiers: list[str], layouts: list[LayerLayout], device: torch.device, buffers: int,
                 stats: StreamStats) -> list[str]:
     """Demote layers that cannot fit where the plan put them, with a visible warning.
 
@@ -273,7 +276,7 @@ def _demote(tiers: list[str], layouts: list[LayerLayout], srcs: tuple[str, ...],
 
 
 def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[LayerLayout], tiers: list[str],
-                  cache_dir, report: _Reporter):
+                  cache_dir, report: PackProgress):
     """Pack files for the disk-tier layers, reusing those that are up to date."""
     if cache_dir is None:
         from platformdirs import user_cache_dir
@@ -289,7 +292,7 @@ def _ensure_packs(folder: Path, ckpt: Checkpoint, prefix: str, layouts: list[Lay
 
 
 def open_or_write_packs(pack_dir: Path, fingerprint: str, layouts: list[LayerLayout], tiers: list[str],
-                        report: _Reporter, fill: Callable[[int, torch.Tensor], None]) -> dict:
+                        report: PackProgress, fill: Callable[[int, torch.Tensor], None]) -> dict:
     """The pack file of every disk-tier layer: the one in `pack_dir` where it is whole
     and of this `fingerprint`, else written anew from what `fill(i, payload)` puts in
     the layer's payload buffer (a checkpoint's tensors, a GGUF file's blocks)."""
@@ -338,7 +341,8 @@ def _load_resident_layer(layer: nn.Module, tensors: dict, device: torch.device, 
         module._parameters[attr] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
 
 
-def _read_mode(sources: list, stats: StreamStats) -> str:
+def read_mode(sources: list, stats: StreamStats) -> str:
+    """How the disk layers will be read (O_DIRECT or buffered), as the load reports it."""
     disk = [s for s in sources if isinstance(s, DiskSource)]
     if not disk:
         return ""

@@ -16,6 +16,14 @@
 4. With `--passes N`: N one-token passes of the target streamed from disk as GGUF blocks
    and as bf16 (page cache bypassed), alternating, and the share of a GGUF pass that
    went to dequantization.
+5. With `--int4`: a layer's matmuls (its Q4_0/Q4_1 tensors) for 1 and 16 rows, three
+   ways: dequantized into float32 then a float32 matmul (what a GGUF pass does now),
+   the same weights as bf16 in a bf16 matmul, and torch's packed 4-bit kernel
+   (`_weight_int4pack_mm_for_cpu`, bf16 activations; no dequantization at all).
+   Reports each one's time, its largest difference from the float32 result, whether a
+   row comes out the same alone as among 16 (row invariance: what keeps a batched
+   verification lossless), and how many of the file's block scales bf16 cannot hold
+   (the kernel takes bf16 scales: those weights move by up to 2^-9 of their size).
 
 Prints a table, then ONE JSON line. Timings on a shared 2-core box are noisy: compare
 the ratios from one run.
@@ -176,6 +184,64 @@ def llama_cpp_agreement(path: Path, prompts: int, tokens: int, threads: int) -> 
     return {"prompts": prompts, "tokens": tokens, "identical": same, "differ_at": parts}
 
 
+def int4_kernel(path: Path, repeats: int) -> dict:
+    """Section 5: the layer's 4-bit matmuls through torch's packed int4 kernel."""
+    import torch.nn.functional as F
+
+    mm, pack = torch.ops.aten._weight_int4pack_mm_for_cpu, torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    tensors = [(raw, kind, shape) for raw, kind, shape in layer_tensors(path, 1) if kind in ("Q4_0", "Q4_1")]
+    prepared, inexact, groups = [], 0, 0
+    for raw, kind, shape in tensors:
+        q, d, m = _q4_fields(raw, kind, shape)  # w = d * q + m, q in 0..15, one (d, m) per 32 weights
+        dense = torch.empty(shape)
+        dequantize_planar(to_planar(raw, kind, shape), kind, shape, out=dense)
+        # The kernel computes (q - 8) * scale + zero: scale d, zero m + 8 d, both bf16.
+        sz = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(torch.bfloat16)
+        inexact += int((d.to(torch.bfloat16).float() != d).sum())
+        groups += d.numel()
+        prepared.append((pack(q.to(torch.int32).contiguous(), 1), sz, dense, dense.to(torch.bfloat16)))
+    out = {"tensors": len(prepared), "scales_bf16_cannot_hold": inexact / max(groups, 1)}
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 16):
+        xs = [torch.randn(rows, dense.shape[1], generator=gen) for _, _, dense, _ in prepared]
+
+        def dequant_fp32():
+            for (packed, sz, dense, _), x in zip(prepared, xs):
+                F.linear(x, dense.clone())  # the clone stands in for dequantizing into scratch
+
+        def dense_bf16():
+            for (_, _, _, wb), x in zip(prepared, xs):
+                F.linear(x.to(torch.bfloat16), wb)
+
+        def int4():
+            for (packed, sz, _, _), x in zip(prepared, xs):
+                mm(x.to(torch.bfloat16), packed, 32, sz)
+
+        ref = [F.linear(x, dense) for (_, _, dense, _), x in zip(prepared, xs)]
+        got = [mm(x.to(torch.bfloat16), packed, 32, sz) for (packed, sz, _, _), x in zip(prepared, xs)]
+        alone = [mm(x[:1].to(torch.bfloat16), packed, 32, sz) for (packed, sz, _, _), x in zip(prepared, xs)]
+        out[f"rows_{rows}"] = {
+            "dequant_fp32_ms": best_ms(dequant_fp32, repeats), "dense_bf16_ms": best_ms(dense_bf16, repeats),
+            "int4_bf16_ms": best_ms(int4, repeats),
+            "int4_max_rel_diff": max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)),
+            "int4_row_invariant": all(torch.equal(a[0], g[0]) for a, g in zip(alone, got))}
+    return out
+
+
+def _q4_fields(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A Q4_0/Q4_1 tensor's integers [rows, cols] (0..15) and per-32 d, m [rows, cols / 32]."""
+    rows, cols = shape
+    size = 18 if kind == "Q4_0" else 20
+    blocks = raw.view(-1, size)
+    d = blocks[:, :2].contiguous().view(torch.float16).float().view(rows, cols // 32)
+    if kind == "Q4_0":
+        m, qs = -8 * d, blocks[:, 2:]
+    else:
+        m, qs = blocks[:, 2:4].contiguous().view(torch.float16).float().view(rows, cols // 32), blocks[:, 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=1)  # low nibbles: weights 0..15 of the block, high: 16..31
+    return q.view(rows, cols), d, m
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=None)
@@ -184,6 +250,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=0)
     parser.add_argument("--llama-cpp", type=int, default=0, metavar="N", help="compare N greedy replies with llama.cpp")
     parser.add_argument("--tokens", type=int, default=48, help="tokens per reply for --llama-cpp")
+    parser.add_argument("--int4", action="store_true", help="time torch's packed 4-bit kernel on a layer's matmuls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.gguf is None:
@@ -220,6 +287,15 @@ def main() -> None:
         where = ", ".join(f"token {d['token']} (our top-2 margin {d['our_margin']:.3f})" for d in a["differ_at"])
         print(f"greedy replies vs llama.cpp on the same file: {a['identical']} of {a['prompts']} identical "
               f"over {a['tokens']} tokens" + (f"; the others part at {where}" if where else ""))
+    if args.int4:
+        result["int4"] = k = int4_kernel(args.gguf, args.repeats)
+        print(f"a layer's {k['tensors']} Q4 matmuls (scales bf16 cannot hold: {k['scales_bf16_cannot_hold']:.0%}):")
+        for rows in (1, 16):
+            r = k[f"rows_{rows}"]
+            print(f"  {rows:>2} rows: dequantize + float32 {r['dequant_fp32_ms']:.2f} ms, bf16 dense "
+                  f"{r['dense_bf16_ms']:.2f} ms, int4 kernel {r['int4_bf16_ms']:.2f} ms "
+                  f"(x{r['dequant_fp32_ms'] / r['int4_bf16_ms']:.1f}); int4 largest difference "
+                  f"{r['int4_max_rel_diff']:.1e} of the largest output, row-invariant: {r['int4_row_invariant']}")
     print(json.dumps(result))
 
 

@@ -126,12 +126,15 @@ class CostModelBudget:
             self._idle += 1
             if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see choose)
                 self._idle = 0
-                # One request's tree measures acceptance as well as all of them: the
-                # cheapest to read grows it (a probe must not make 16 prompts be read).
-                pick = min((i for i, (cap, _, _) in enumerate(mix) if cap), key=lambda i: mix[i][2])
-                cap, regime, _ = mix[pick]
+                # Probes measure acceptance, and a handful of trees measures it far
+                # better than one: every request whose minions have read its context
+                # grows one (it costs them growing only), and, when none has, the one
+                # cheapest to read (a probe must not make 16 prompts be read).
+                ready = [i for i, (cap, _, read) in enumerate(mix) if cap and not read]
+                picks = ready or [min((i for i, (cap, _, _) in enumerate(mix) if cap), key=lambda i: mix[i][2])]
                 budgets = list(budgets)
-                budgets[pick] = self._probe(cap, regime)
+                for i in picks:
+                    budgets[i] = self._probe(mix[i][0], mix[i][1])
         else:
             self._idle = 0
         out: list[StepBudget] = [budgets[0]] * len(keys)

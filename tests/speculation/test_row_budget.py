@@ -74,3 +74,9 @@ def test_a_pending_prompt_read_is_priced_into_a_requests_trees():
     assert all(b.nodes == 0 for step in picks[:3] for b in step)
     assert [b.nodes > 0 for b in picks[3]] == [False, True, False]  # the probe: the cheapest read
     assert picks[0][0].predicted_t_grow == 0.0
+    policy.rates["greedy"] = 0.02  # no tree pays, read or not
+    policy._chosen.clear()
+    read = [(100, "greedy", 0.0), (100, "greedy", 20.0), (100, "greedy", 0.0)]  # two have read
+    picks = [policy.choose_shared(read) for _ in range(4)]
+    assert all(b.nodes == 0 for step in picks[:3] for b in step)
+    assert [b.nodes > 0 for b in picks[3]] == [True, False, True]  # probes cost them growing only

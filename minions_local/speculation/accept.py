@@ -132,3 +132,17 @@ def _rejection_residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> 
         residual[token] = 0.0
         return residual
     return (p - q).clamp_(min=0.0)
+
+
+def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[tuple[int, int, int]]:
+    """What each node on the accepted path offered the target: (depth of its children,
+    children, rank by vote score of the one it took, 0 = none). `capped`: the walk
+    stopped at a length limit, so the last node's outcome says nothing of its children."""
+    trials = []
+    for i, node in enumerate(path):
+        children = sorted(tree.children[node].values(), key=lambda c: -tree.scores[c])
+        if not children or (capped and i == len(path) - 1):
+            break
+        taken = path[i + 1] if i + 1 < len(path) else None
+        trials.append((i + 1, len(children), children.index(taken) + 1 if taken is not None else 0))
+    return trials

@@ -31,7 +31,7 @@ from minions_local.core.protocols import (CandidateTree, GrowBudget, Minion, Pro
                                          common_prefix_len)
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
-from minions_local.speculation.accept import accept
+from minions_local.speculation.accept import accept, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
 from minions_local.speculation.lanes import Lane, StepRequest
@@ -469,20 +469,6 @@ class Decoder:
     def _of_those_that_ran(self, growth: Growth, values: Sequence[T]) -> dict[str, T]:
         """Per-minion values as {name: value}, for the minions that grew this step."""
         return {m.name: v for m, v, p in zip(self.minions, values, growth.proposals) if p is not None}
-
-
-def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[tuple[int, int, int]]:
-    """What each node on the accepted path offered the target: (depth of its children,
-    children, rank by vote score of the one it took, 0 = none). `capped`: the walk
-    stopped at a length limit, so the last node's outcome says nothing of its children."""
-    trials = []
-    for i, node in enumerate(path):
-        children = sorted(tree.children[node].values(), key=lambda c: -tree.scores[c])
-        if not children or (capped and i == len(path) - 1):
-            break
-        taken = path[i + 1] if i + 1 < len(path) else None
-        trials.append((i + 1, len(children), children.index(taken) + 1 if taken is not None else 0))
-    return trials
 
 
 def _check_finite(logits: torch.Tensor) -> None:

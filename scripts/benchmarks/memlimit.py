@@ -88,7 +88,7 @@ class MemoryGroup:
             pass
         return False
 
-    def remove(self, timeout: float = 5.0) -> None:
+    def remove(self, timeout: float = 30.0) -> None:
         """Remove the group once its processes have exited (their page cache charges move
         to the parent group). Raises OSError if it stays busy past `timeout`."""
         deadline = time.monotonic() + timeout

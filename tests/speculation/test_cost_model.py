@@ -291,7 +291,7 @@ def test_siblings_that_rarely_win_make_the_policy_grow_narrower_trees():
 
 
 def test_rank_trials_read_the_verified_tree():
-    from minions_local.speculation.decode import rank_trials
+    from minions_local.speculation.accept import rank_trials
     from minions_local.core.tree import TokenTree
 
     tree = TokenTree.from_root(1)

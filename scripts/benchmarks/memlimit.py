@@ -17,6 +17,7 @@ benchmark says so in its output.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import time
 from pathlib import Path
@@ -108,5 +109,11 @@ class MemoryGroup:
                 time.sleep(0.1)
 
 
+_groups = itertools.count(1)
+
+
 def group_name(tag: str) -> str:
-    return f"minions-bench-{os.getpid()}-{tag}"
+    """A name no other group of this process has: two children (a benchmark run inside
+    a test whose fixture holds another) must never share a group, or removing one's
+    waits on the other's process."""
+    return f"minions-bench-{os.getpid()}-{tag}-{next(_groups)}"

@@ -150,6 +150,8 @@ def test_bench_batch_tiny_with_peers(tmp_path, capsys, monkeypatch):
 
     real = batch_peers.peer_methods
     monkeypatch.setattr(batch_peers, "peer_methods", lambda *a, **k: [*real(*a, **k), _FailingPeer()])
+    mine = f"minions-bench-{os.getpid()}-batch*"
+    before = set(ROOT.glob(mine)) if ROOT.is_dir() else set()  # (the module fixture's peers hold theirs)
     assert bench_batch.main(["--tiny", "--modes", "greedy,sampled", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -170,4 +172,4 @@ def test_bench_batch_tiny_with_peers(tmp_path, capsys, monkeypatch):
         assert "llama.cpp batch memlimit: " in out and "MB read from disk per llama_decode" in out
     assert "note: failing peer N=1 greedy failed: the child died (test)" in out
     if ROOT.is_dir():  # the peers' memory groups are gone once the benchmark returns
-        assert not list(ROOT.glob(f"minions-bench-{os.getpid()}-batch*"))
+        assert set(ROOT.glob(mine)) == before

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from minions_local.models.gguf_target import open_target
-from minions_local.offload.gguf_blocks import BLOCK_TYPES, dequantize
+from minions_local.offload.gguf_blocks import BLOCK_TYPES, block_type, dequantize, integers
 from minions_local.offload.gguf_planar import dequantize_planar, to_planar
 
 
@@ -231,15 +231,14 @@ def int4_kernel(path: Path, repeats: int) -> dict:
 def _q4_fields(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """A Q4_0/Q4_1 tensor's integers [rows, cols] (0..15) and per-32 d, m [rows, cols / 32]."""
     rows, cols = shape
-    size = 18 if kind == "Q4_0" else 20
-    blocks = raw.view(-1, size)
-    d = blocks[:, :2].contiguous().view(torch.float16).float().view(rows, cols // 32)
-    if kind == "Q4_0":
-        m, qs = -8 * d, blocks[:, 2:]
-    else:
-        m, qs = blocks[:, 2:4].contiguous().view(torch.float16).float().view(rows, cols // 32), blocks[:, 4:]
-    q = torch.cat([qs & 15, qs >> 4], dim=1)  # low nibbles: weights 0..15 of the block, high: 16..31
-    return q.view(rows, cols), d, m
+    blocks = raw.view(-1, block_type(kind).type_size)
+
+    def half(byte: int) -> torch.Tensor:  # the float16 at `byte` of every block
+        return blocks[:, byte:byte + 2].contiguous().view(torch.float16).float().view(rows, cols // 32)
+
+    d = half(0)
+    m = -8 * d if kind == "Q4_0" else half(2)  # Q4_0 stores q with its offset 8: w = d * (q - 8)
+    return integers(raw, kind).view(rows, cols), d, m
 
 
 def main() -> None:
@@ -292,7 +291,7 @@ def main() -> None:
         print(f"a layer's {k['tensors']} Q4 matmuls (scales bf16 cannot hold: {k['scales_bf16_cannot_hold']:.0%}):")
         for rows in (1, 16):
             r = k[f"rows_{rows}"]
-            print(f"  {rows:>2} rows: dequantize + float32 {r['dequant_fp32_ms']:.2f} ms, bf16 dense "
+            print(f"  {rows:>2} rows: float32 matmuls on the dequantized weights {r['dequant_fp32_ms']:.2f} ms, bf16 dense "
                   f"{r['dense_bf16_ms']:.2f} ms, int4 kernel {r['int4_bf16_ms']:.2f} ms "
                   f"(x{r['dequant_fp32_ms'] / r['int4_bf16_ms']:.1f}); int4 largest difference "
                   f"{r['int4_max_rel_diff']:.1e} of the largest output, row-invariant: {r['int4_row_invariant']}")

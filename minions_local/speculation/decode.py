@@ -27,8 +27,7 @@ import torch
 
 from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
-from minions_local.core.protocols import (CandidateTree, GrowBudget, Minion, PromptChunk, SlotTree, Target,
-                                         common_prefix_len)
+from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, PromptChunk, SlotTree, Target
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept, rank_trials
@@ -169,7 +168,7 @@ class Decoder:
         prices the read into the request's trees (cost_policy.choose_shared)."""
         self._minions_use(slot)
         lane = self.lanes.setdefault(slot, Lane())
-        unread = len(context) - common_prefix_len(lane.minions_saw, context)
+        unread = lane.unread(context)
         if self.minions and unread and until_a_tree:
             lane.prompt_unread = "until a tree"
         elif self.minions and unread >= self.MINIONS_READ_LATER:
@@ -178,7 +177,7 @@ class Decoder:
             self._minions_read(lane, context)
 
     def _minions_read(self, lane: Lane, context: list[int]) -> None:
-        unread = len(context) - common_prefix_len(lane.minions_saw, context)
+        unread = lane.unread(context)
         start = time.perf_counter()
         lane.minions_saw = list(context)
         lane.prompt_unread = None
@@ -197,7 +196,7 @@ class Decoder:
         """What reading the context the minions have not seen would cost now."""
         if lane.prompt_unread != "until a tree" or self.read_seconds_per_token is None:
             return 0.0
-        return (len(context) - common_prefix_len(lane.minions_saw, context)) * self.read_seconds_per_token
+        return lane.unread(context) * self.read_seconds_per_token
 
     def use_slot(self, slot: int) -> None:
         """Point the target and every minion at `slot`'s state."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minions_local.core.protocols import common_prefix_len
 from minions_local.core.sampling import SamplingParams
 
 
@@ -41,3 +42,7 @@ class Lane:
     tree, and the target decodes it alone until then)."""
     minions_saw: list[int] = field(default_factory=list)
     """The context the minions' caches were last brought to."""
+
+    def unread(self, context: list[int]) -> int:
+        """Tokens of `context` the minions' caches do not hold yet."""
+        return len(context) - common_prefix_len(self.minions_saw, context)

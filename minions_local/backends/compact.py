@@ -76,6 +76,9 @@ class CompactDecoder:
         self.row_invariant = row_invariant
         """Attention in float64 (see _attend): every row of a pass comes out as a 1-token
         pass over the same visible keys would give it, whatever else shares the pass."""
+        self.head_varies = False
+        """The head need not be row-invariant: nothing is rounded after it (a float32
+        head; see hf_target._int4_target), so a 1-token pass skips the doubled row."""
         self.linear = F.linear
         if pack and packing_is_exact(self.dtype, self.device):
             self._pack()
@@ -297,8 +300,13 @@ class CompactDecoder:
         differently (SmolLM2's down projection: 3 of 16 tree rows; every batch of 2 to
         100 rows agreed). So a 1-token pass runs its row twice and keeps one: the same
         kernels as a tree pass, at the cost of a row a memory-bound matmul barely notices."""
+        if not isinstance(weight, torch.Tensor):  # the int4 kernel's form, or a stack holding one
+            if isinstance(weight, tuple):
+                out = torch.cat([self._linear(x, w) for w in weight], dim=-1)
+                return out if bias is None else out + bias
+            return weight(x, bias)  # row-invariant as it is (gguf_int4.py)
         linear = (self.head_linear or self.linear) if head else self.linear
-        if self.row_invariant and x.shape[-2] == 1:
+        if self.row_invariant and x.shape[-2] == 1 and not (head and self.head_varies):
             return linear(torch.cat([x, x], dim=-2), weight, bias).narrow(-2, 0, 1)
         return linear(x, weight, bias)
 
@@ -327,19 +335,31 @@ class CompactDecoder:
         return out.view(1, heads, t, hd).to(q.dtype)
 
 
-def fused_layer(layer, stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat) -> dict:
+def fused_layer(layer, stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat,
+                packed: dict | None = None) -> dict:
     """A decoder layer's weights as the compact forward reads them: q/k/v and gate/up
     each stacked into one matmul weight by `stack` (the streamed forward stacks views
-    of its layer buffer instead of copies), the rest as they are."""
+    of its layer buffer instead of copies), the rest as they are. `packed`: weights
+    held in the int4 kernel's form, by parameter name (offload/gguf_int4.py); a stack
+    holding one is a tuple whose matmuls run one by one (`_linear`)."""
     att, mlp = layer.self_attn, layer.mlp
+    packed = packed or {}
+
+    def weight(path: str):
+        return packed.get(f"{path}.weight") or layer.get_submodule(path).weight
+
+    def stack_of(paths: list[str]):
+        parts = [weight(p) for p in paths]
+        return stack(parts) if all(isinstance(p, torch.Tensor) for p in parts) else tuple(parts)
+
     qkv_bias = None
     if att.q_proj.bias is not None:
         qkv_bias = stack([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
     return {
         "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-        "qkv": stack([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), "qkv_bias": qkv_bias,
-        "o": att.o_proj.weight, "gate_up": stack([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        "down": mlp.down_proj.weight, "inter": mlp.gate_proj.weight.shape[0],
+        "qkv": stack_of(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), "qkv_bias": qkv_bias,
+        "o": weight("self_attn.o_proj"), "gate_up": stack_of(["mlp.gate_proj", "mlp.up_proj"]),
+        "down": weight("mlp.down_proj"), "inter": weight("mlp.gate_proj").shape[0],
     }
 
 

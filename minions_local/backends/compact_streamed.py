@@ -40,19 +40,21 @@ class StreamedCompactDecoder(CompactDecoder):
         fused = self.layers[i]
         if fused is not None:
             return fused
-        layer = self.modules[i]
-        self.weights[i].enter()
+        layer, weights = self.modules[i], self.weights[i]
+        weights.enter()
         att, mlp = layer.self_attn, layer.mlp
         # A layer sitting in a given buffer always binds the same views (the streamer
         # caches its bindings per buffer), so its fused views are built once per buffer.
-        key = (i, att.q_proj.weight.data_ptr())
+        key = (i, getattr(weights, "buffer", None), att.q_proj.weight.data_ptr())
         if key in self._views:
             return self._views[key]
-        fused = fused_layer(layer, stacked)
+        packed = weights.packed_linears() if getattr(weights, "packed", False) else None
+        fused = fused_layer(layer, stacked, packed)
         stacks = [(fused["qkv"], att.q_proj.weight), (fused["gate_up"], mlp.gate_proj.weight)]
         if fused["qkv_bias"] is not None:
             stacks.append((fused["qkv_bias"], att.q_proj.bias))
-        if all(whole.data_ptr() == first.data_ptr() for whole, first in stacks):
+        # A tuple holds int4 weights (views of this buffer) or the layer's own parameters.
+        if all(isinstance(whole, tuple) or whole.data_ptr() == first.data_ptr() for whole, first in stacks):
             self._views[key] = fused  # views only: a kept copy would hold the layer resident
         return fused
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
@@ -180,6 +181,8 @@ def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
     holds itself (see CompactDecoder.release_module_weights); the model object can then
     no longer run on its own (the loader owns it, so it may). While it loads, those
     copies sit next to the model's own (peak memory twice the resident weights)."""
+    if any(getattr(layer_weights(layer), "packed", False) for layer in model.model.layers):
+        return _int4_target(model, bytes_streamed, release_weights)
     if supports(model) and next(model.parameters()).device.type == "cpu":
         streams = any(layer_weights(layer) is not None for layer in model.model.layers)
         rows = model.dtype in ROW_INVARIANT_DTYPES
@@ -192,6 +195,43 @@ def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
                 compact.decoder.release_module_weights(model)
             return compact
     return HFTarget(model, bytes_streamed=bytes_streamed)
+
+
+def _int4_target(model, bytes_streamed: Callable[[], int] | None, release_weights: bool) -> HFTarget:
+    """A GGUF target whose 4-bit weights the int4 kernel multiplies as they are
+    (offload/gguf_int4.py). Only the compact forward runs it, so there is no
+    transformers forward to compare with; it must decode exactly as itself alone.
+
+    Each matmul rounds its input to bfloat16, so a row must reach it with the bits it
+    has in its own 1-token pass, or a rounding flips and grows: attention runs in
+    float64 (row_invariant) and the kernel is row-invariant. The check: every tree
+    row's final hidden state equals its 1-token pass's, bit for bit. The head after
+    it is one float32 matmul, row-invariant only up to float32 rounding, as in any
+    float32 target (a tied 49k-token head is not prepacked: no copy of the embedding)."""
+    compact = StreamedCompactTarget(model, bytes_streamed=bytes_streamed, row_invariant=True)
+    compact.decoder.head_varies = model.dtype == torch.float32
+    prompt, tree = _probe(int(model.config.vocab_size))
+    compact.verify(prompt, tree)
+    rows = compact.decoder.last_hidden.clone()
+    deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
+    path = [deepest]
+    while path[-1] != 0:
+        path.append(tree.parents[path[-1]])
+    compact.reset()
+    ids = list(prompt[:-1])
+    for n in reversed(path):
+        ids.append(tree.tokens[n])
+        step = TokenTree.from_root(ids[-1])
+        compact.verify(ids, step)
+        if not torch.equal(compact.decoder.last_hidden[-1], rows[n]):
+            raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes on "
+                                 "this machine, so trees would change the replies. Set gguf_kernel = "
+                                 "'dequant' under [target] in the profile to compute the GGUF's weights in float32.")
+        compact.commit(step, [0])
+    compact.reset()
+    if release_weights:
+        compact.decoder.release_module_weights(model)
+    return compact
 
 
 def _probe(vocab: int) -> tuple[list[int], TokenTree]:

@@ -103,12 +103,15 @@ def stream_options(profile: Profile, plan: MemoryPlan) -> dict[str, Any]:
     tgt = profile.target
     # The streaming runtime stores every decoder layer at one quantization; the
     # streamed one is what sets the bytes per pass.
-    return {
+    options = {
         "layer_tiers": list(plan.layer_tiers),
         "quant": "gguf" if tgt.format == "gguf" else tgt.streamed_quantization,
         "buffers": plan.buffers.count or tgt.layer_buffers,
         "cache_dir": str(Path(profile.hardware.disk_path).expanduser()),
     }
+    if tgt.format == "gguf":
+        options["kernel"] = tgt.gguf_kernel
+    return options
 
 
 def budget_policy(profile: Profile, plan: MemoryPlan) -> Any:

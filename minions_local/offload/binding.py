@@ -17,6 +17,7 @@ from torch import nn
 
 from minions_local.offload.layer_store import DiskSource, LayerStore, RamSource, StreamStats
 from minions_local.offload.layout import LayerLayout, aligned_empty, pack_layer, round_up
+from minions_local.offload.gguf_int4 import Int4Weight
 from minions_local.offload.gguf_planar import dequantize_planar
 from minions_local.offload.quant import dequantize
 
@@ -80,11 +81,14 @@ class _Binding:
 
 def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torch.Tensor,
               scratch: DequantScratch) -> list[_Binding]:
-    """How each of a layer's `params` (by name) is produced from a packed `buffer` holding it."""
+    """How each of a layer's `params` (by name) is produced from a packed `buffer` holding
+    it; a weight the int4 kernel multiplies as it is (`packed_linears`) is never bound."""
     quantized = any(p.role != "" for p in layout.pieces)
     scratch_views = scratch.views(layout) if quantized else {}
     out = []
     for name, roles in layout.params().items():
+        if "int4" in roles:
+            continue
         if layout.quant == "gguf":
             (kind, piece), = roles.items()
             out.append(_Binding(params[name], scratch_views[name], piece.view(buffer), kind=kind))
@@ -94,6 +98,13 @@ def _bindings(params: dict[str, nn.Parameter], layout: LayerLayout, buffer: torc
             q, scale = roles["q"].view(buffer), roles["scale"].view(buffer) if "scale" in roles else None
             out.append(_Binding(params[name], scratch_views[name], q, scale))
     return out
+
+
+def packed_linears(layout: LayerLayout, buffer: torch.Tensor) -> dict[str, Int4Weight]:
+    """The weights of a layer in `buffer` that the int4 kernel multiplies as they are,
+    by parameter name (views into the buffer; none outside a GGUF int4 pack)."""
+    return {name: Int4Weight(roles["int4"].view(buffer), roles["int4_sz"].view(buffer))
+            for name, roles in layout.params().items() if "int4" in roles}
 
 
 def _bind(bindings: list[_Binding], quant: str) -> None:
@@ -134,21 +145,41 @@ class StreamedLayer:
         self.bindings: dict[int, list[_Binding]] = {}
         """Per buffer index: the views this layer binds when it sits in that buffer."""
         self.current: list[_Binding] = []
-        layer.register_forward_pre_hook(lambda _m, _a: self.enter())
+        self.linears: dict[int, dict[str, Int4Weight]] = {}
+        """Per buffer index: the weights the int4 kernel multiplies in place (`packed_linears`)."""
+        self.buffer: int | None = None
+        """The buffer the layer sits in while it runs (between `enter` and `exit`)."""
+        self.packed = any(p.role == "int4" for p in self.layout.pieces)
+        """Some weights are multiplied in the int4 kernel's form: only a forward that
+        asks for them (the compact one) can run this layer."""
+        layer.register_forward_pre_hook(lambda _m, _a: self._module_enter())
         layer.register_forward_hook(lambda _m, _a, _o: self.exit())
         _weights[layer] = self
+
+    def _module_enter(self) -> None:
+        if self.packed:
+            raise RuntimeError("this layer's 4-bit weights are held in the int4 kernel's form, which only the "
+                               "compact forward multiplies; load the GGUF target with gguf_kernel='dequant' to "
+                               "run transformers' forward on it")
+        self.enter()
 
     def enter(self) -> None:
         """Wait for this layer's fetch and point its parameters into the buffer."""
         k = self.store.acquire(self.j)
         if k not in self.bindings:
             self.bindings[k] = _bindings(self.params, self.layout, self.store.buffers[k], self.scratch)
-        self.current = self.bindings[k]
+            self.linears[k] = packed_linears(self.layout, self.store.buffers[k])
+        self.current, self.buffer = self.bindings[k], k
         _bind(self.current, self.layout.quant)
+
+    def packed_linears(self) -> dict[str, Int4Weight]:
+        """The running layer's int4-kernel weights by parameter name ({} when none)."""
+        return self.linears[self.buffer]
 
     def exit(self) -> None:
         """The layer has run: empty its parameters and give its buffer back."""
         _unbind(self.current, self.placeholder)
+        self.buffer = None
         self.store.release(self.j)
 
 

@@ -35,6 +35,7 @@ from minions_local.offload.binding import DequantScratch, install_streaming
 from minions_local.offload.checkpoint import folder_key
 from minions_local.offload.disk import PackReader
 from minions_local.offload.dtypes import compute_dtype, dtype_name
+from minions_local.offload import gguf_int4
 from minions_local.offload.gguf_blocks import block_type, dequantize
 from minions_local.offload.gguf_planar import to_planar
 from minions_local.offload.layer_store import DiskSource, RamSource, StreamStats
@@ -59,11 +60,15 @@ def load_streamed_gguf(
     readers: int | None = None,
     attn_implementation: str | None = "sdpa",
     quant: str = "gguf",
+    kernel: str = "auto",
 ) -> tuple[nn.Module, StreamStats]:
     """Load the GGUF at `path` as a causal LM whose decoder layers stream as GGUF blocks.
 
     Arguments as `load_streamed_causal_lm`'s; `dtype` is the compute dtype (default
-    float32: the GGUF's weights exactly); `quant` must be 'gguf' (the file's own blocks)."""
+    float32: the GGUF's weights exactly); `quant` must be 'gguf' (the file's own blocks).
+    `kernel` (gguf_int4.KERNELS): how streamed 4-bit tensors are multiplied; 'auto'
+    takes the int4 kernel where it runs (a CPU, a model the compact forward runs),
+    which rounds their scales to bfloat16 (gguf_int4.py says what that changes)."""
     if quant not in ("gguf", "none"):
         raise ModelLoadError(f"a GGUF target streams its own blocks; quant {quant!r} does not apply to it "
                              f"(leave the profile's streamed quantization at 'none').")
@@ -80,14 +85,17 @@ def load_streamed_gguf(
     plans = [_layer_plan(target, i, layer) for i, layer in enumerate(layers)]
     _check_no_unused(target, plans)
     tiers = layer_tiers_for(layer_tiers, tier, len(layers))
+    int4 = _uses_int4(kernel, model, device, tiers, plans)
+    if int4:  # a resident layer keeps its packed bytes too: every layer computes alike
+        tiers = ["ram" if t == "device" else t for t in tiers]
     stats = StreamStats()
     report = PackProgress(progress)
-    layouts = [_layout(plan, dtype) for plan in plans]
+    layouts = [_layout(plan, dtype, int4) for plan in plans]
     with open(target.path, "rb") as file:
         _load_resident(model, target, file, device, dtype)
         tiers = fit_memory(tiers, layouts, device, buffers, stats)
         report.total = sum(lay.nbytes for lay in layouts)
-        packs = _ensure_packs(target, file, plans, layouts, tiers, cache_dir, report) if "disk" in tiers else {}
+        packs = _ensure_packs(target, file, plans, layouts, tiers, cache_dir, report, int4) if "disk" in tiers else {}
         scratch = DequantScratch(layouts, "gguf", dtype, device)
         sources, streamed = [], []
         try:
@@ -184,12 +192,44 @@ def _check_no_unused(target: GGUFTarget, plans: list[list[_Tensor]]) -> None:
                              f"variant the GGUF target does not support. Use the model's HF folder.")
 
 
-def _layout(plan: list[_Tensor], dtype: torch.dtype) -> LayerLayout:
+def _uses_int4(kernel: str, model: nn.Module, device: torch.device, tiers: list[str],
+               plans: list[list[_Tensor]]) -> bool:
+    """Whether streamed 4-bit tensors go through the int4 kernel (see load_streamed_gguf)."""
+    if kernel not in gguf_int4.KERNELS:
+        raise ModelLoadError(f"gguf_kernel {kernel!r} is not one of {', '.join(gguf_int4.KERNELS)}.")
+    if kernel == "dequant" or all(t == "device" for t in tiers):
+        return False
+    from minions_local.backends.compact import supports
+
+    runs = gguf_int4.available(device) and supports(model)
+    if kernel == "int4" and not runs:
+        raise ModelLoadError(f"gguf_kernel = 'int4' needs a CPU (this target computes on {device}) and a "
+                             f"Llama-family model the compact forward runs ({model.config.model_type}); "
+                             f"use gguf_kernel = 'auto' or 'dequant'.")
+    others = sorted({t.btype.name for plan in plans for t in plan
+                     if len(t.shape) == 2 and not gguf_int4.applies(t.btype.name, t.shape)})
+    if others and kernel == "int4":
+        raise ModelLoadError(f"gguf_kernel = 'int4' needs every layer matrix in a 4-bit type "
+                             f"({', '.join(gguf_int4.INT4_TYPES)}); this file also has {', '.join(others)}. "
+                             f"Use gguf_kernel = 'auto' or 'dequant'.")
+    # A layer mixing the two would need its float32 matmuls row-invariant too (they are
+    # not on a CPU, hf_target._int4_target): such files stay on dequantization.
+    return runs and not others
+
+
+def _layout(plan: list[_Tensor], dtype: torch.dtype, int4: bool = False) -> LayerLayout:
+    """Each tensor as one piece of planar blocks, or (`int4`, a 4-bit matrix) as the
+    int4 kernel's packed integers and its (scale, zero) plane."""
     pieces, offset = [], 0
     for t in plan:
-        piece = Piece(t.param, t.btype.name, offset, t.stored_shape, "uint8")
-        pieces.append(piece)
-        offset = round_up(offset + piece.nbytes, PIECE_ALIGN)
+        if int4 and gguf_int4.applies(t.btype.name, t.shape):
+            ints, sz = gguf_int4.piece_shapes(t.shape)
+            stored = [Piece(t.param, "int4", 0, ints, "uint8"), Piece(t.param, "int4_sz", 0, sz, "bfloat16")]
+        else:
+            stored = [Piece(t.param, t.btype.name, 0, t.stored_shape, "uint8")]
+        for piece in stored:
+            pieces.append(Piece(piece.param, piece.role, offset, piece.shape, piece.dtype))
+            offset = round_up(offset + piece.nbytes, PIECE_ALIGN)
     return LayerLayout(tuple(pieces), "gguf", dtype_name(dtype))
 
 
@@ -199,8 +239,16 @@ def _payload(target: GGUFTarget, file, plan: list[_Tensor], layout: LayerLayout,
     if out is None:
         out = aligned_empty(layout.padded_nbytes, pin=pin)
     out.zero_()
-    for t, piece in zip(plan, layout.pieces):
-        piece.view(out).copy_(to_planar(t.read(file), t.btype, t.shape).view(piece.shape))
+    params = layout.params()
+    for t in plan:
+        roles = params[t.param]
+        if "int4" in roles:
+            ints, sz = gguf_int4.pack(t.read(file), t.btype.name, t.shape)
+            roles["int4"].view(out).copy_(ints)
+            roles["int4_sz"].view(out).copy_(sz)
+        else:
+            (piece,) = roles.values()
+            piece.view(out).copy_(to_planar(t.read(file), t.btype, t.shape).view(piece.shape))
     return out
 
 
@@ -237,14 +285,17 @@ def _load_resident_layer(layer: nn.Module, target: GGUFTarget, file, plan: list[
 
 
 def _ensure_packs(target: GGUFTarget, file, plans: list[list[_Tensor]], layouts: list[LayerLayout],
-                  tiers: list[str], cache_dir, report: PackProgress) -> dict:
+                  tiers: list[str], cache_dir, report: PackProgress, int4: bool = False) -> dict:
     """Pack files of the disk-tier layers' GGUF bytes, reusing those that are up to date."""
     if cache_dir is None:
         from platformdirs import user_cache_dir
 
         cache_dir = Path(user_cache_dir("minions-local")) / "packs"
-    pack_dir = Path(cache_dir).expanduser() / folder_key(target.path) / f"gguf-{layouts[0].dtype}"
-    fingerprint = f"{PACK_FORMAT}:{target.file.fingerprint()}"
+    kind = f"gguf-{layouts[0].dtype}" + ("-int4" if int4 else "")
+    pack_dir = Path(cache_dir).expanduser() / folder_key(target.path) / kind
+    # The int4 kernel's byte layout depends on the CPU: a pack made on another one is rewritten.
+    packer = f"int4-{gguf_int4.layout_tag()}:" if int4 else ""
+    fingerprint = f"{PACK_FORMAT}:{packer}{target.file.fingerprint()}"
 
     def fill(i: int, payload: torch.Tensor) -> None:
         _payload(target, file, plans[i], layouts[i], out=payload[: layouts[i].padded_nbytes])

@@ -37,7 +37,9 @@ class Piece:
     role: str
     """'' for a plain tensor; 'q' (integers, or bf16 below a float32 compute dtype) or
     'scale' for a quantized weight; in a GGUF layout (quant 'gguf'), the GGUF block type
-    of the tensor's raw bytes ('Q4_K'), shaped (rows, bytes per row), or (bytes,) for a vector."""
+    of the tensor's raw bytes ('Q4_K'), shaped (rows, bytes per row), or (bytes,) for a
+    vector; or, for a 4-bit weight the int4 kernel multiplies as it is (gguf_int4.py),
+    'int4' (its packed integers) and 'int4_sz' (its scales and zeros)."""
     offset: int
     shape: tuple[int, ...]
     dtype: str
@@ -90,9 +92,12 @@ class LayerLayout:
         return out
 
     def param_numel(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> its shape in the compute dtype (after dequantization)."""
+        """Parameter name -> its shape in the compute dtype (after dequantization); a
+        weight the int4 kernel multiplies as it is is never dequantized: not listed."""
         shapes: dict[str, tuple[int, ...]] = {}
         for name, roles in self.params().items():
+            if "int4" in roles:
+                continue
             if self.quant == "gguf":  # one piece of raw GGUF blocks, its role the block type
                 (kind, piece), = roles.items()
                 shapes[name] = gguf_weights_shape(kind, piece.shape)

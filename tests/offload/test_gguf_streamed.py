@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 from minions_local.core.errors import ModelLoadError  # noqa: E402
 from minions_local.models.gguf_target import LAYER_TENSORS, RESIDENT_TENSORS, hf_rows, open_target, side_folder  # noqa: E402,E501
+from minions_local.offload.binding import layer_weights  # noqa: E402
 from minions_local.offload.gguf_streamed import load_streamed_gguf  # noqa: E402
 from tests.helpers.tiny_gguf import write_gguf  # noqa: E402
 from tests.helpers.tiny_models import random_model, save, tiny_config  # noqa: E402
@@ -58,7 +59,8 @@ def test_streamed_logits_are_the_gguf_weights(arch, kind, hidden, tmp_path, toke
     with torch.no_grad():
         want = reference_model(path, arch, config)(ids).logits
         for tier in ("disk", "ram", "device"):
-            model, stats = load_streamed_gguf(path, tier=tier, cache_dir=tmp_path / "packs", buffers=2)
+            model, stats = load_streamed_gguf(path, tier=tier, cache_dir=tmp_path / "packs", buffers=2,
+                                              kernel="dequant")
             assert torch.equal(model(ids).logits, want), tier
             if tier != "device":
                 layer_bytes = sum(t.nbytes for n, t in open_target(path).file.tensors.items() if n.startswith("blk."))
@@ -75,15 +77,15 @@ def test_unsupported_tensor_type_is_named(tmp_path, tokenizer) -> None:
         load_streamed_gguf(path, tier="ram")
 
 
-@pytest.mark.parametrize("tier", ["disk", "ram"])
-def test_engine_greedy_matches_its_own_autoregressive_decoding(tier, tmp_path, tokenizer) -> None:
+@pytest.mark.parametrize("tier,kernel", [("disk", "int4"), ("ram", "int4"), ("disk", "dequant")])
+def test_engine_greedy_matches_its_own_autoregressive_decoding(tier, kernel, tmp_path, tokenizer) -> None:
     from minions_local import Engine
     from tests.helpers.tiny_models import noisy_copy
 
     config = tiny_config("llama", layers=3)
     target = random_model(config, seed=3, scale=25.0)
     path = write_gguf(save(target, tmp_path / "target", tokenizer), tmp_path / "target.gguf", "Q4_1")
-    options = {"cache_dir": str(tmp_path / "packs"), "buffers": 2}
+    options = {"cache_dir": str(tmp_path / "packs"), "buffers": 2, "kernel": kernel}
     alone = Engine.from_pretrained(path, [], target_tier=tier, stream_options=options)
     # A minion on the GGUF's own vocabulary (the file pads it to the embedding's rows).
     minion = save(noisy_copy(target, seed=4, noise=0.05), tmp_path / "minion")
@@ -99,6 +101,9 @@ def test_engine_greedy_matches_its_own_autoregressive_decoding(tier, tmp_path, t
     if tier == "disk":  # on a CPU the RAM tier is resident (core/tiers.streams)
         stats = alone.decoder.target.stream_stats
         assert stats.bytes_per_pass > 0 and stats.passes > 0
+    # The int4 kernel multiplies the 4-bit weights as they are: none are dequantized.
+    packed = [getattr(layer_weights(layer), "packed", False) for layer in alone.decoder.target.model.model.layers]
+    assert packed == [kernel == "int4" and tier == "disk"] * config.num_hidden_layers
 
 
 def test_a_missing_gguf_target_says_so(tmp_path) -> None:

@@ -12,6 +12,13 @@ layer runs. A Llama's q and k rows, which llama.cpp's converter
 permutes, are put back in transformers' order as the pack is written (whole rows of
 blocks move, so the bytes stay the file's).
 
+On a CPU (`kernel` 'auto'), a file whose layer matrices are all 4-bit (Q4_0, Q4_1,
+Q4_K) stores them instead in the form torch's packed int4 kernel multiplies
+(offload/gguf_int4.py: its integers and a bfloat16 (scale, zero) plane, 20 bytes per
+32 weights), and the compact forward multiplies them with no dequantization at all;
+only the norms are bound as parameters. That form is CPU-specific, so its packs sit in
+a folder of their own and record the kernel's layout.
+
 Tiers: 'disk' reads pack files made of those bytes (O_DIRECT, like every pack),
 'ram' keeps the same bytes in host memory (pinned for CUDA), 'device' dequantizes the
 layer once into ordinary parameters. The embeddings and head are dequantized once

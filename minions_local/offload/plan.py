@@ -221,7 +221,7 @@ def plan_memory(
     resident_b = dims.layer_bytes(tgt.resident_quantization, tgt.dtype)
     streamed_b = buffer_b = dims.layer_bytes(tgt.streamed_quantization, tgt.dtype)
     if tgt.format == "gguf":
-        streamed_b, buffer_b, resident_b, scratch = _gguf_layer_costs(tgt, dims, math)
+        streamed_b, buffer_b, resident_b, scratch = _gguf_layer_costs(tgt, dims, math, hw.device == "cpu")
     n = dims.layers
     cap = n if tgt.resident_layers is None else min(n, tgt.resident_layers)
     fixed = sum(p.bytes for p in device_fixed)
@@ -265,11 +265,11 @@ def plan_memory(
     return plan
 
 
-def _gguf_layer_costs(tgt, dims: ModelDims, math: str) -> tuple[int, int, int, int]:
+def _gguf_layer_costs(tgt, dims: ModelDims, math: str, cpu: bool) -> tuple[int, int, int, int]:
     """A GGUF target's streamed layer (the file's mean layer: its _M mixes vary by
     layer), its layer buffer (the largest layer), its resident layer and its
     dequantization scratch (both a layer in the compute dtype: offload/gguf_streamed.py)."""
-    sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims)
+    sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims, int4=cpu and tgt.gguf_kernel != "dequant")
     dense = dims.layer_bytes("none", math)
     return -(-sum(sizes) // len(sizes)), max(sizes), dense, dense
 

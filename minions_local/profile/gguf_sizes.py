@@ -63,12 +63,31 @@ def file_layer_bytes(path: Path, layers: int) -> list[int]:
     return sizes
 
 
-def gguf_layer_bytes(path: str | None, mix: str | None, dims: ModelDims) -> list[int]:
-    """A GGUF target's layer sizes: from its file when it is here, else from `mix`."""
+def gguf_layer_bytes(path: str | None, mix: str | None, dims: ModelDims, *, int4: bool = False) -> list[int]:
+    """A GGUF target's layer sizes: from its file when it is here, else from `mix`.
+
+    `int4`: its 4-bit layers may be held in the int4 kernel's form (a CPU, gguf_kernel
+    not 'dequant': offload/gguf_int4.py), which takes 20 bytes per 32 weights: Q4_0's
+    and Q4_K's layers grow by a ninth. The kernel takes a file only when every layer
+    matrix is 4-bit, so a mix with Q6_K tensors (the _M mixes) keeps its size."""
     if path and Path(path).is_file():
-        return file_layer_bytes(Path(path), dims.layers)
+        from minions_local.models.gguf_file import read_gguf
+
+        sizes = file_layer_bytes(Path(path), dims.layers)
+        if int4:
+            types = {info.type_name for name, info in read_gguf(Path(path)).tensors.items()
+                     if name.startswith("blk.") and len(info.shape) == 2}
+            if types <= _INT4_TYPES:
+                sizes = [size * 10 // 9 if types & _GROWS else size for size in sizes]
+        return sizes
     if mix is None:
         raise ProfileError(
             f"the GGUF target {path} is not on this machine, so its layer sizes are unknown: set "
             f"target.gguf_mix to the quantization it was made with ({', '.join(GGUFMix.__args__)}).")
-    return mix_layer_bytes(dims, mix)
+    sizes = mix_layer_bytes(dims, mix)
+    return [size * 10 // 9 for size in sizes] if int4 and mix in _GROWS else sizes
+
+
+_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
+_GROWS = {"Q4_0", "Q4_K"}
+"""4-bit types smaller than the int4 kernel's form (18 and 144/8 bytes per 32 weights, against 20)."""

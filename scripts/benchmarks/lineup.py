@@ -30,6 +30,7 @@ from benchmarks.methods import EngineMethod, HFMethod, LlamaCppMethod, Method, e
 from minions_local import Engine
 from minions_local.engine.from_profile import engine_kwargs_from_profile
 from minions_local.engine.loading import prepare_builtin
+from minions_local.offload.binding import layer_weights
 from minions_local.offload.dtypes import compute_dtype, dtype_name
 from minions_local.profile import load_profile
 from minions_local.speculation.budget import FixedBudget
@@ -154,26 +155,37 @@ class Lineup:
 
     def _gguf_target(self) -> list[list[Method]]:
         """[autoregressive, adaptive] with the GGUF as the target, the profile's minions
-        (a substitute made from that file) and tier; its compute dtype as the loader picks."""
+        (a substitute made from that file) and tier; its compute dtype as the loader
+        picks, its 4-bit tensors through the int4 kernel where it applies ('auto'), and
+        the same again dequantized into float32 ('dequant': the file's weights exactly)."""
+        groups = []
+        for kernel, name in (("auto", "gguf target"), ("dequant", "gguf dequant")):
+            groups += self._gguf_engine(kernel, name)
+        return groups
+
+    def _gguf_engine(self, kernel: str, name: str) -> list[list[Method]]:
         path = self._gguf("q4_1") or self._gguf("q8_0")
         kwargs = engine_kwargs_from_profile(self.profile, tier=self.tier, **{**self.overrides, "target": str(path)})
-        if self.private_packs and kwargs.get("stream_options"):
-            kwargs["stream_options"]["cache_dir"] = str(self.workdir / "packs")
+        if kwargs.get("stream_options"):
+            kwargs["stream_options"]["kernel"] = kernel
+            if self.private_packs:
+                kwargs["stream_options"]["cache_dir"] = str(self.workdir / "packs")
         base = Engine.from_pretrained(**kwargs)
         target = base.decoder.target
         math = dtype_name(target.model.dtype)
         stats = getattr(target, "stream_stats", None)
         read = f", {stats.bytes_per_pass / 1e6:.1f} MB a pass" if stats is not None else ""
-        detail = f"{path.name} blocks{read}, {math} math"
+        int4 = any(getattr(layer_weights(layer), "packed", False) for layer in target.model.model.layers)
+        detail = f"{path.name} blocks{read}, {math} math" + (", int4 kernel" if int4 else ", dequantized")
         policy = type(base.decoder.policy).__name__
 
-        def method(name: str, engine: Engine, what: str) -> list[Method]:
-            return self._threads(EngineMethod(name, "gguf-target", engine, 1, f"{detail}, {what}", dtype=math,
+        def method(label: str, engine: Engine, what: str) -> list[Method]:
+            return self._threads(EngineMethod(label, "gguf-target", engine, 1, f"{detail}, {what}", dtype=math,
                                               weight_bytes=stats.bytes_per_pass if stats else param_bytes(target.model)))
 
         ar = engine_sharing_target(base, [], FixedBudget(nodes=0, depth=0))
-        return [method("gguf target autoregressive", ar, "no minions"),
-                method("gguf target adaptive", base, f"{policy}, learned selection")]
+        return [method(f"{name} autoregressive", ar, "no minions"),
+                method(f"{name} adaptive", base, f"{policy}, learned selection")]
 
     def _fresh_policy(self, dtype: str):
         """The profile's budget policy, built anew (it learns as it runs, so none is shared)."""

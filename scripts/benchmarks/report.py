@@ -34,6 +34,10 @@ GOALS = {  # issue 14's goals (benchmark figures of one run, not timed tests)
     "adaptive_vs_best_fixed": 0.95,
     "learned_selection_vs_all_minions": 0.95,
     "step_time_prediction_error": 0.15,
+    # issue 26's (with --gguf-target): the GGUF target against the same model's bf16 stream
+    "gguf_autoregressive_vs_bf16_stream": 1.8,
+    "gguf_adaptive_vs_bf16_adaptive": 1.5,
+    "gguf_adaptive_vs_llama_cpp": 2.0,
 }
 """vs_llama_cpp is reported too, with no goal ("report the llama.cpp ratio, whatever it is")."""
 
@@ -213,6 +217,11 @@ def goal_checks(tier: str, summary: dict[str, dict[str, Summary]], methods: list
     put("step_time_prediction_error", errors.get("step"), True, lower_is_better=True)
     best_llama = max(llama, key=vs) if llama else None
     put("vs_llama_cpp", a / vs(best_llama) if a and best_llama else None, True)
+    gguf_ar, gguf_adaptive = "gguf target autoregressive", "gguf target adaptive"
+    if gguf_ar in summary and gguf_adaptive in summary:
+        put("gguf_autoregressive_vs_bf16_stream", vs(gguf_ar), disk)
+        put("gguf_adaptive_vs_bf16_adaptive", vs(gguf_adaptive) / a if a else None, disk)
+        put("gguf_adaptive_vs_llama_cpp", vs(gguf_adaptive) / vs(best_llama) if best_llama else None, disk)
     checks["disk_vs_accelerate_offload"]["best_transformers"] = best_hf
     checks["adaptive_vs_best_fixed"]["best_fixed"] = best_fixed
     checks["vs_llama_cpp"]["best_llama_cpp"] = best_llama

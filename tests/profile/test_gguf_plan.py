@@ -90,3 +90,14 @@ def test_a_gguf_file_on_this_machine_is_planned_from_its_header(tmp_path, tokeni
     assert abs(plan.streamed_bytes_per_pass - sum(want)) < len(want)
     kwargs = engine_kwargs_from_profile(profile_path)
     assert kwargs["stream_options"]["quant"] == "gguf" and kwargs["target"] == str(path)
+
+
+def test_on_a_cpu_the_int4_kernels_form_sizes_4bit_layers():
+    """The int4 kernel holds 32 weights in 20 bytes: Q4_1's size, a ninth more than Q4_0's;
+    a mix with Q6_K tensors is never held that way (offload/gguf_streamed._uses_int4)."""
+    from minions_local.profile.gguf_sizes import gguf_layer_bytes
+
+    for mix, grows in (("Q4_0", True), ("Q4_1", False), ("Q4_K_M", False), ("Q8_0", False)):
+        plain = gguf_layer_bytes(None, mix, LLAMA_70B)
+        held = gguf_layer_bytes(None, mix, LLAMA_70B, int4=True)
+        assert held == ([b * 10 // 9 for b in plain] if grows else plain), mix

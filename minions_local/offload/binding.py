@@ -149,7 +149,7 @@ class StreamedLayer:
         """Per buffer index: the weights the int4 kernel multiplies in place (`packed_linears`)."""
         self.buffer: int | None = None
         """The buffer the layer sits in while it runs (between `enter` and `exit`)."""
-        self.packed = any(p.role == "int4" for p in self.layout.pieces)
+        self.int4 = any(p.role == "int4" for p in self.layout.pieces)
         """Some weights are multiplied in the int4 kernel's form: only a forward that
         asks for them (the compact one) can run this layer."""
         layer.register_forward_pre_hook(lambda _m, _a: self._module_enter())
@@ -157,7 +157,7 @@ class StreamedLayer:
         _weights[layer] = self
 
     def _module_enter(self) -> None:
-        if self.packed:
+        if self.int4:
             raise RuntimeError("this layer's 4-bit weights are held in the int4 kernel's form, which only the "
                                "compact forward multiplies; load the GGUF target with gguf_kernel='dequant' to "
                                "run transformers' forward on it")
@@ -217,6 +217,12 @@ def layer_weights(layer: nn.Module) -> StreamedLayer | ResidentPackedLayer | Non
     """What gives this decoder layer its weights around each call (None: its own
     resident parameters)."""
     return _weights.get(layer)
+
+
+def uses_int4_kernel(model: nn.Module) -> bool:
+    """Some streamed layer of `model` holds weights in the int4 kernel's form (only the
+    compact forward runs it: offload/gguf_int4.py)."""
+    return any(getattr(layer_weights(layer), "int4", False) for layer in model.model.layers)
 
 
 def layer_store(model: nn.Module) -> LayerStore | None:

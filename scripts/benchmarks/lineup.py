@@ -30,7 +30,7 @@ from benchmarks.methods import EngineMethod, HFMethod, LlamaCppMethod, Method, e
 from minions_local import Engine
 from minions_local.engine.from_profile import engine_kwargs_from_profile
 from minions_local.engine.loading import prepare_builtin
-from minions_local.offload.binding import layer_weights
+from minions_local.offload.binding import uses_int4_kernel
 from minions_local.offload.dtypes import compute_dtype, dtype_name
 from minions_local.profile import load_profile
 from minions_local.speculation.budget import FixedBudget
@@ -175,7 +175,7 @@ class Lineup:
         math = dtype_name(target.model.dtype)
         stats = getattr(target, "stream_stats", None)
         read = f", {stats.bytes_per_pass / 1e6:.1f} MB a pass" if stats is not None else ""
-        int4 = any(getattr(layer_weights(layer), "packed", False) for layer in target.model.model.layers)
+        int4 = uses_int4_kernel(target.model)
         detail = f"{path.name} blocks{read}, {math} math" + (", int4 kernel" if int4 else ", dequantized")
         policy = type(base.decoder.policy).__name__
 

@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 
 from minions_local.core.errors import ModelLoadError  # noqa: E402
 from minions_local.offload import gguf_int4  # noqa: E402
-from minions_local.offload.binding import layer_weights  # noqa: E402
+from minions_local.offload.binding import layer_weights, uses_int4_kernel  # noqa: E402
 from minions_local.offload.gguf_blocks import block_type, dequantize  # noqa: E402
 from minions_local.offload.gguf_streamed import load_streamed_gguf  # noqa: E402
 from tests.helpers.tiny_gguf import write_gguf  # noqa: E402
@@ -96,8 +96,8 @@ def test_a_streamed_target_multiplies_its_4bit_layers_in_place(arch, kind, hidde
     path = write_gguf(folder, tmp_path / "m.gguf", kind, embedding_type="Q8_0" if hidden == 64 else "Q6_K")
     exact, _ = load_streamed_gguf(path, tier="disk", cache_dir=tmp_path / "packs", kernel="dequant")
     packed, stats = load_streamed_gguf(path, tier="disk", cache_dir=tmp_path / "packs", kernel="int4")
-    assert all(layer_weights(layer).packed for layer in packed.model.layers)
-    assert not any(layer_weights(layer).packed for layer in exact.model.layers)
+    assert all(layer_weights(layer).int4 for layer in packed.model.layers)
+    assert uses_int4_kernel(packed) and not uses_int4_kernel(exact)
     # In the kernel's form, 16 bytes of integers + 4 of scale and zero per 32 weights:
     # Q4_1's own size, a ninth more than Q4_0's and Q4_K's
     planar = sum(p.nbytes for p in layer_weights(exact.model.layers[0]).layout.pieces)
@@ -123,7 +123,7 @@ def test_int4_needs_every_layer_matrix_in_4_bits(tmp_path, tokenizer) -> None:
     with pytest.raises(ModelLoadError, match="also has Q8_0"):
         load_streamed_gguf(path, tier="disk", cache_dir=tmp_path / "packs", kernel="int4")
     model, _ = load_streamed_gguf(path, tier="disk", cache_dir=tmp_path / "packs")  # auto: dequantized
-    assert not any(layer_weights(layer).packed for layer in model.model.layers)
+    assert not uses_int4_kernel(model)
     with pytest.raises(ModelLoadError, match="gguf_kernel 'fast' is not one of"):
         load_streamed_gguf(path, tier="disk", cache_dir=tmp_path / "packs", kernel="fast")
 

@@ -102,7 +102,7 @@ def test_engine_greedy_matches_its_own_autoregressive_decoding(tier, kernel, tmp
         stats = alone.decoder.target.stream_stats
         assert stats.bytes_per_pass > 0 and stats.passes > 0
     # The int4 kernel multiplies the 4-bit weights as they are: none are dequantized.
-    packed = [getattr(layer_weights(layer), "packed", False) for layer in alone.decoder.target.model.model.layers]
+    packed = [getattr(layer_weights(layer), "int4", False) for layer in alone.decoder.target.model.model.layers]
     assert packed == [kernel == "int4" and tier == "disk"] * config.num_hidden_layers
 
 

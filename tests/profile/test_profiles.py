@@ -9,7 +9,7 @@ import pytest
 from minions_local.core.errors import ProfileError
 from minions_local.profile.cli import available_profiles, load_profile, plan_report
 
-SHIPPED = ["cpu-demo", "cpu-demo-disk", "rtx3090-70b", "rtx4070ti-32b", "rtx4090-70b", "rtx4090-70b-gguf",
+SHIPPED = ["cpu-demo", "cpu-demo-disk", "cpu-demo-gguf-disk", "rtx3090-70b", "rtx4070ti-32b", "rtx4090-70b", "rtx4090-70b-gguf",
            "stdlib-demo", "stdlib-demo-disk"]
 
 MINIMAL = """

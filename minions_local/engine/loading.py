@@ -125,8 +125,10 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
     options = {k: v for k, v in stream_options.items() if k != "quant" or v not in ("none", "gguf")}
     if not streamed:
         options = {k: v for k, v in options.items() if k == "cache_dir"}
+    from minions_local.backends.compact import supports
+
     model, stats = load_streamed_gguf(path, tier=tier if streamed else "device", dtype=compute, device=device,
-                                      progress=progress, **options)
+                                      progress=progress, runs_int4=supports, **options)
     if streamed:
         target = exact_target(model, bytes_streamed=lambda: stats.bytes_streamed)
         target.stream_stats = stats

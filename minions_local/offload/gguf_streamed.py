@@ -68,6 +68,7 @@ def load_streamed_gguf(
     attn_implementation: str | None = "sdpa",
     quant: str = "gguf",
     kernel: str = "auto",
+    runs_int4: Callable[[nn.Module], bool] | None = None,
 ) -> tuple[nn.Module, StreamStats]:
     """Load the GGUF at `path` as a causal LM whose decoder layers stream as GGUF blocks.
 
@@ -75,7 +76,9 @@ def load_streamed_gguf(
     float32: the GGUF's weights exactly); `quant` must be 'gguf' (the file's own blocks).
     `kernel` (gguf_int4.KERNELS): how streamed 4-bit tensors are multiplied; 'auto'
     takes the int4 kernel where it runs (a CPU, a model the compact forward runs),
-    which rounds their scales to bfloat16 (gguf_int4.py says what that changes)."""
+    which rounds their scales to bfloat16 (gguf_int4.py says what that changes).
+    `runs_int4(model)`: whether the forward that will run the model multiplies int4
+    weights (the engine passes backends.compact.supports); None: it does."""
     if quant not in ("gguf", "none"):
         raise ModelLoadError(f"a GGUF target streams its own blocks; quant {quant!r} does not apply to it "
                              f"(leave the profile's streamed quantization at 'none').")
@@ -92,7 +95,7 @@ def load_streamed_gguf(
     plans = [_layer_plan(target, i, layer) for i, layer in enumerate(layers)]
     _check_no_unused(target, plans)
     tiers = layer_tiers_for(layer_tiers, tier, len(layers))
-    int4 = _uses_int4(kernel, model, device, tiers, plans)
+    int4 = _uses_int4(kernel, model, device, tiers, plans, runs_int4)
     if int4:  # a resident layer keeps its packed bytes too: every layer computes alike
         tiers = ["ram" if t == "device" else t for t in tiers]
     stats = StreamStats()
@@ -200,15 +203,13 @@ def _check_no_unused(target: GGUFTarget, plans: list[list[_Tensor]]) -> None:
 
 
 def _uses_int4(kernel: str, model: nn.Module, device: torch.device, tiers: list[str],
-               plans: list[list[_Tensor]]) -> bool:
+               plans: list[list[_Tensor]], runs_int4: Callable[[nn.Module], bool] | None) -> bool:
     """Whether streamed 4-bit tensors go through the int4 kernel (see load_streamed_gguf)."""
     if kernel not in gguf_int4.KERNELS:
         raise ModelLoadError(f"gguf_kernel {kernel!r} is not one of {', '.join(gguf_int4.KERNELS)}.")
     if kernel == "dequant" or all(t == "device" for t in tiers):
         return False
-    from minions_local.backends.compact import supports
-
-    runs = gguf_int4.available(device) and supports(model)
+    runs = gguf_int4.available(device) and (runs_int4 is None or runs_int4(model))
     if kernel == "int4" and not runs:
         raise ModelLoadError(f"gguf_kernel = 'int4' needs a CPU (this target computes on {device}) and a "
                              f"Llama-family model the compact forward runs ({model.config.model_type}); "

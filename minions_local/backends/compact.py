@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minions_local.backends.attention import attend, attend_parts
 from minions_local.backends.hf import CachedModel
 
 
@@ -75,7 +74,7 @@ class CompactDecoder:
         self.exact = exact
         """False: fewer, cheaper ops whose rounding differs from transformers (minions)."""
         self.row_invariant = row_invariant
-        """Attention in float64 (see attention.attend): every row of a pass comes out as a 1-token
+        """Attention in float64 (see _attend): every row of a pass comes out as a 1-token
         pass over the same visible keys would give it, whatever else shares the pass."""
         self.head_varies = False
         """The head need not be row-invariant: nothing is rounded after it (a float32
@@ -260,7 +259,8 @@ class CompactDecoder:
             else:  # rotate queries and keys in one go: half the small ops
                 qk = _rope(qkv[..., :nq + nkv].view(1, t, self.heads + self.kv_heads, hd).transpose(1, 2), cos, sin)
                 q, k = qk[:, :self.heads], qk[:, self.heads:]
-            att = self._attend_parts(i, parts, spans, q, k, v)
+            att = [self._attend_part(i, p, q[:, :, a:b], k[0, :, a:b], v[0, :, a:b]) for p, (a, b) in zip(parts, spans)]
+            att = att[0] if len(att) == 1 else torch.cat(att, dim=2)
             x = x + self._linear(att.transpose(1, 2).reshape(1, t, nq), L["o"])
             h = self._rms(x, L["ln2"])
             gate_up = self._linear(h, L["gate_up"])
@@ -278,33 +278,16 @@ class CompactDecoder:
         logits = self._linear(picked, self.lm_head, head=True).float()
         return list(logits.split([b - a for a, b in rows]))
 
-    def _attend_parts(self, layer: int, parts: list[PassPart], spans: list[tuple[int, int]], q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write each part's new keys and values into its cache, and attend: a prompt
-        chunk alone on the fast kernel, the other parts (trees) in one batched call."""
-        caches = []
-        for p, (a, b) in zip(parts, spans):
-            kv, start = p.slot.kv, p.slot.length
-            end = start + b - a
-            kv[layer, 0, :, start:end] = k[0, :, a:b]
-            kv[layer, 1, :, start:end] = v[0, :, a:b]
-            caches.append((kv[layer, 0, :, :end], kv[layer, 1, :, :end]))
-        trees = [n for n, p in enumerate(parts) if not p.prefill]
-        out: list[torch.Tensor | None] = [None] * len(parts)
-        for n, p in enumerate(parts):
-            if p.prefill or len(trees) == 1:
-                (a, b), (keys, values) = spans[n], caches[n]
-                out[n] = attend(q[:, :, a:b], keys.unsqueeze(0), values.unsqueeze(0), p.mask,
-                                row_invariant=self.row_invariant and not p.prefill)
-        if len(trees) > 1:
-            batched = attend_parts(q, [caches[n] for n in trees], [parts[n].mask for n in trees],
-                                   [spans[n] for n in trees], row_invariant=self.row_invariant)
-            starts = [0]
-            for n in trees:
-                starts.append(starts[-1] + spans[n][1] - spans[n][0])
-            for j, n in enumerate(trees):
-                out[n] = batched[:, :, starts[j]:starts[j + 1]]
-        return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+    def _attend_part(self, layer: int, part: PassPart, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Write one part's new keys and values into its cache and attend over it."""
+        kv, start = part.slot.kv, part.slot.length
+        end = start + k.shape[1]
+        kv[layer, 0, :, start:end] = k
+        kv[layer, 1, :, start:end] = v
+        keys = kv[layer, 0, :, :end].unsqueeze(0)
+        values = kv[layer, 1, :, :end].unsqueeze(0)
+        return self._attend(q, keys, values, part.mask, row_invariant=self.row_invariant and not part.prefill)
 
     def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input for these token ids: their embeddings."""
@@ -326,6 +309,30 @@ class CompactDecoder:
         if self.row_invariant and x.shape[-2] == 1 and not (head and self.head_varies):
             return linear(torch.cat([x, x], dim=-2), weight, bias).narrow(-2, 0, 1)
         return linear(x, weight, bias)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+                row_invariant: bool) -> torch.Tensor:
+        """Masked attention [1, H, T, hd] over the cache.
+
+        Row invariance: a bf16 tree pass must give each row what the 1-token pass of
+        autoregressive decoding gives, or a near-tie between the two best tokens flips
+        and greedy output drifts from the target's own (measured on SmolLM2, 8 chat
+        replies: 1 identical before this). Norms and RoPE act row by row, and the linear
+        layers do once a 1-token pass runs as two rows (_linear); attention does not,
+        since the rows and masked keys sharing a pass change how a row's terms are summed. In float64 that changes a row by ~1e-16 of
+        its size, which rounding back to bf16 (2^-8) erases, so every row comes out as it
+        would alone. The cost is small: attention is a few % of a small batch's FLOPs."""
+        if not row_invariant:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.heads != self.kv_heads)
+        _, heads, t, hd = q.shape
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        # Query heads sharing a key/value head (GQA) run as one matmul against it.
+        grouped = q.double().reshape(1, kv_heads, heads // kv_heads * t, hd)
+        scores = (grouped @ keys.double().transpose(-1, -2)).view(1, heads, t, length)
+        probs = torch.softmax(scores * hd ** -0.5 + mask.double(), dim=-1)
+        out = probs.view(1, kv_heads, heads // kv_heads * t, length) @ values.double()
+        return out.view(1, heads, t, hd).to(q.dtype)
 
 
 def fused_layer(layer, stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat,

@@ -160,7 +160,7 @@ class StreamedCompactTarget(SharedPassTarget):
 
 ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
 """Where a batched pass would round differently from a 1-token pass without float64
-attention (backends/attention.attend); float32 needs nothing (measured exact)."""
+attention (compact.CompactDecoder._attend); float32 needs nothing (measured exact)."""
 
 
 def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,

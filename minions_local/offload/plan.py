@@ -24,7 +24,7 @@ from pathlib import Path
 from minions_local.core.errors import MemoryPlanError
 from minions_local.core.tiers import TIERS
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
-from minions_local.profile.gguf_sizes import gguf_layer_bytes
+from minions_local.profile.gguf_sizes import gguf_layer_bytes, int4_types
 from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
@@ -269,9 +269,12 @@ def _gguf_layer_costs(tgt, dims: ModelDims, math: str, cpu: bool) -> tuple[int, 
     """A GGUF target's streamed layer (the file's mean layer: its _M mixes vary by
     layer), its layer buffer (the largest layer), its resident layer and its
     dequantization scratch (both a layer in the compute dtype: offload/gguf_streamed.py)."""
-    sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims, int4=cpu and tgt.gguf_kernel != "dequant")
+    int4 = cpu and tgt.gguf_kernel != "dequant"
+    sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims, int4=int4)
     dense = dims.layer_bytes("none", math)
-    return -(-sum(sizes) // len(sizes)), max(sizes), dense, dense
+    # Weights the int4 kernel multiplies as they are need no scratch: only the norms do.
+    scratch = 2 * dims.hidden * 4 if int4 and int4_types(tgt.path, tgt.gguf_mix) else dense
+    return -(-sum(sizes) // len(sizes)), max(sizes), dense, scratch
 
 
 def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):

@@ -71,21 +71,28 @@ def gguf_layer_bytes(path: str | None, mix: str | None, dims: ModelDims, *, int4
     and Q4_K's layers grow by a ninth. The kernel takes a file only when every layer
     matrix is 4-bit, so a mix with Q6_K tensors (the _M mixes) keeps its size."""
     if path and Path(path).is_file():
-        from minions_local.models.gguf_file import read_gguf
-
         sizes = file_layer_bytes(Path(path), dims.layers)
-        if int4:
-            types = {info.type_name for name, info in read_gguf(Path(path)).tensors.items()
-                     if name.startswith("blk.") and len(info.shape) == 2}
-            if types <= _INT4_TYPES:
-                sizes = [size * 10 // 9 if types & _GROWS else size for size in sizes]
-        return sizes
-    if mix is None:
+    elif mix is None:
         raise ProfileError(
             f"the GGUF target {path} is not on this machine, so its layer sizes are unknown: set "
             f"target.gguf_mix to the quantization it was made with ({', '.join(GGUFMix.__args__)}).")
-    sizes = mix_layer_bytes(dims, mix)
-    return [size * 10 // 9 for size in sizes] if int4 and mix in _GROWS else sizes
+    else:
+        sizes = mix_layer_bytes(dims, mix)
+    types = int4_types(path, mix) if int4 else None
+    return [size * 10 // 9 for size in sizes] if types and types & _GROWS else sizes
+
+
+def int4_types(path: str | None, mix: str | None) -> set[str] | None:
+    """The 4-bit types of a GGUF's layer matrices when every one is 4-bit (what the
+    int4 kernel takes: offload/gguf_streamed._uses_int4), else None."""
+    if path and Path(path).is_file():
+        from minions_local.models.gguf_file import read_gguf
+
+        types = {info.type_name for name, info in read_gguf(Path(path)).tensors.items()
+                 if name.startswith("blk.") and len(info.shape) == 2}
+    else:
+        types = {mix} if mix else set()
+    return types if types and types <= _INT4_TYPES else None
 
 
 _INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}

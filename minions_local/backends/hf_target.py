@@ -214,21 +214,10 @@ def _int4_target(model, bytes_streamed: Callable[[], int] | None, release_weight
     compact.verify(prompt, tree)
     rows = compact.decoder.last_hidden.clone()
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
-    path = [deepest]
-    while path[-1] != 0:
-        path.append(tree.parents[path[-1]])
-    compact.reset()
-    ids = list(prompt[:-1])
-    for n in reversed(path):
-        ids.append(tree.tokens[n])
-        step = TokenTree.from_root(ids[-1])
-        compact.verify(ids, step)
-        if not torch.equal(compact.decoder.last_hidden[-1], rows[n]):
-            raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes on "
-                                 "this machine, so trees would change the replies. Set gguf_kernel = "
-                                 "'dequant' under [target] in the profile to compute the GGUF's weights in float32.")
-        compact.commit(step, [0])
-    compact.reset()
+    if path_rows_differing(compact, prompt, tree, rows, deepest, hidden=True):
+        raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes on "
+                             "this machine, so trees would change the replies. Set gguf_kernel = "
+                             "'dequant' under [target] in the profile to compute the GGUF's weights in float32.")
     if release_weights:
         compact.decoder.release_module_weights(model)
     return compact
@@ -270,10 +259,13 @@ def _row_invariant(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:
 
 
 def path_rows_differing(target: HFTarget, context: list[int], tree: TokenTree, rows: torch.Tensor,
-                        node: int) -> list[int]:
+                        node: int, *, hidden: bool = False) -> list[int]:
     """The nodes on the path root -> `node` whose tree row (`rows`: the pass over `tree`
     below context[-1]) differs from the 1-token pass autoregressive decoding runs after
-    the same tokens, bit for bit. Leaves `target`'s cache reset."""
+    the same tokens, bit for bit. Leaves `target`'s cache reset.
+
+    hidden: `rows` are the tree pass's final hidden states (a compact target's
+    `decoder.last_hidden`), compared with each 1-token pass's, not its logits."""
     path = [node]
     while path[-1] != 0:
         path.append(tree.parents[path[-1]])
@@ -284,7 +276,8 @@ def path_rows_differing(target: HFTarget, context: list[int], tree: TokenTree, r
     for n in path:
         ids.append(tree.tokens[n])
         step = TokenTree.from_root(ids[-1])
-        if not torch.equal(target.verify(ids, step)[0], rows[n]):
+        logits = target.verify(ids, step)
+        if not torch.equal(target.decoder.last_hidden[-1] if hidden else logits[0], rows[n]):
             differing.append(n)
         target.commit(step, [0])
     target.reset()

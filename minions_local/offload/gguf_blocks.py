@@ -64,7 +64,7 @@ class BlockType:
 # Each kernel takes blocks [n, type_size] (uint8) and writes out [n, block_size] (float32).
 
 
-def _f16(blocks: torch.Tensor, byte: int) -> torch.Tensor:
+def f16_field(blocks: torch.Tensor, byte: int) -> torch.Tensor:
     """The float16 stored at `byte` of every block, widened to float32, as [n, 1]."""
     return blocks[:, byte : byte + 2].contiguous().view(torch.float16).to(torch.float32)
 
@@ -133,24 +133,24 @@ def _small_quants(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     q = _small_quants(blocks, 2).sub_(8).view(torch.int8)  # the integer, exact in uint8 arithmetic
     out.copy_(q)
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_small_quants(blocks, 4))
-    out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+    out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high = _bits(blocks[:, 2:6], 1).transpose(1, 2).reshape(out.shape)  # bit j of the little-endian u32
     q = (_small_quants(blocks, 6) | (high << 4)).sub_(16).view(torch.int8)
     out.copy_(q)
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(blocks[:, 2:].view(torch.int8))
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,8 +165,8 @@ def _k_affine(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
     """out = (d * scale) * q - (dmin * min) per 32-weight sub-block, q as uint8 [n, 256]."""
     n = blocks.shape[0]
     scales, mins = k_scales(blocks[:, 4:16])
-    step = (_f16(blocks, 0) * scales.to(torch.float32)).view(n, 8, 1)
-    low = (_f16(blocks, 2) * mins.to(torch.float32)).view(n, 8, 1)
+    step = (f16_field(blocks, 0) * scales.to(torch.float32)).view(n, 8, 1)
+    low = (f16_field(blocks, 2) * mins.to(torch.float32)).view(n, 8, 1)
     out.copy_(q)
     grid = out.view(n, 8, 32)
     grid.mul_(step).sub_(low)
@@ -198,7 +198,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high = _bits(blocks[:, 128:192].reshape(n * 2, 32), 2).view(n, -1)
     q = (low | (high << 4)).sub_(32).view(torch.int8)
     scale = blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    step = (_f16(blocks, 208) * scale).view(n, 16, 1)
+    step = (f16_field(blocks, 208) * scale).view(n, 16, 1)
     out.copy_(q)
     out.view(n, 16, 16).mul_(step)
 

@@ -40,13 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minions_local.offload.gguf_blocks import block_type, integers, k_scales
+from minions_local.offload.gguf_blocks import block_type, f16_field, integers, k_scales
+from minions_local.profile.gguf_sizes import INT4_TYPES
 
 GROUP = 32
 """Input columns sharing one (scale, zero): a Q4_0/Q4_1 block, a Q4_K sub-block."""
-
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-"""The block types whose weights the kernel computes (4-bit integers, 32-weight groups)."""
 
 KERNELS = ("auto", "int4", "dequant")
 """How a GGUF target multiplies its 4-bit tensors: 'int4' through the packed kernel,
@@ -81,19 +79,15 @@ def affine(raw: torch.Tensor, kind: str, shape: Sequence[int]) -> tuple[torch.Te
     blocks = raw.reshape(-1, btype.type_size)
     q = integers(blocks, btype).view(n, k)
     groups = n * k // GROUP
-
-    def f16(byte: int) -> torch.Tensor:
-        return blocks[:, byte:byte + 2].contiguous().view(torch.float16).to(torch.float32).view(-1, 1)
-
     if btype.name == "Q4_K":
         scales, mins = k_scales(blocks[:, 4:16])
-        scale = f16(0) * scales.to(torch.float32)
-        zero = 8 * scale - f16(2) * mins.to(torch.float32)
+        scale = f16_field(blocks, 0) * scales.to(torch.float32)
+        zero = 8 * scale - f16_field(blocks, 2) * mins.to(torch.float32)
     elif btype.name == "Q4_1":
-        scale = f16(0)
-        zero = f16(2) + 8 * scale
+        scale = f16_field(blocks, 0)
+        zero = f16_field(blocks, 2) + 8 * scale
     elif btype.name == "Q4_0":
-        scale = f16(0)
+        scale = f16_field(blocks, 0)
         zero = torch.zeros_like(scale)
     else:
         raise ValueError(f"{btype.name} is not a 4-bit type the int4 kernel computes ({', '.join(INT4_TYPES)})")

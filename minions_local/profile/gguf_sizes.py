@@ -92,9 +92,11 @@ def int4_types(path: str | None, mix: str | None) -> set[str] | None:
                  if name.startswith("blk.") and len(info.shape) == 2}
     else:
         types = {mix} if mix else set()
-    return types if types and types <= _INT4_TYPES else None
+    return types if types and types <= set(INT4_TYPES) else None
 
 
-_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+"""The block types torch's int4 kernel computes (4-bit integers, 32-weight groups):
+named here, with no torch, for the plan; offload/gguf_int4.py packs them."""
 _GROWS = {"Q4_0", "Q4_K"}
 """4-bit types smaller than the int4 kernel's form (18 and 144/8 bytes per 32 weights, against 20)."""

@@ -131,23 +131,11 @@ class GGUFMinion(SlotStates):
         self.n_threads = threads
         self.grow_threads = grow_threads or max(threads, min(os.cpu_count() or 1, _MAX_GROW_THREADS))
         self.requests_per_context = requests_per_context
-        cparams = lib.llama_context_default_params()
-        n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
-        cparams.n_ctx = n_ctx * requests_per_context
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        # llama.cpp reserves at least one output row per sequence and aborts the process
-        # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
-        self.tree_runs = max(1, min(tree_runs, _MAX_SEQUENCES // requests_per_context - 1))
-        cparams.n_seq_max = (self.tree_runs + 1) * requests_per_context  # + each request's prefix sequence
-        cparams.n_outputs_max = max(n_batch, cparams.n_seq_max)
-        cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
-        cparams.no_perf = True
-        if kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
-            cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self._cparams = cparams  # every context is made with these
-        self.n_batch = n_batch
+        self.shared_requests = requests_per_context
+        """Blocks of the contexts made for batch slots (see share_passes)."""
+        self.n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
+        self._kv_type, self._tree_runs, self._n_ctx = kv_type, tree_runs, n_ctx
+        self.tree_runs = self._runs_per_block(requests_per_context)
         self._context_buffers: dict[str, int] = {}  # what llama.cpp reported allocating for one context
         try:
             self.__dict__.update(self.fresh_slot_state())  # slot 0's
@@ -229,6 +217,20 @@ class GGUFMinion(SlotStates):
             self.use_slot(back)
         return trees
 
+    SHARED_MOST = 8
+    """Most requests in one context: their sequence ids split 256 ways, each request
+    runs at most 256 // 8 - 1 = 31 tree nodes per grow (ample for trees shared 8 ways;
+    more requests go to a second context, one more pass per level)."""
+
+    def share_passes(self, requests: int) -> None:
+        """`requests` requests will decode together (a batch): the contexts made for
+        slots from now on hold that many (at most SHARED_MOST) so that grow_batch runs
+        their trees one pass per level for all of them. Slot 0, the conversation, keeps
+        its own context: a chat never pays for a batch's KV cache. The KV cache of a
+        shared context is allocated whole when the first of its requests arrives
+        (n_ctx tokens for each); its logits rows and compute buffer are paid once."""
+        self.shared_requests = max(1, min(requests, self.SHARED_MOST))
+
     # --- one state per request (core/slots.py) ------------------------------------------
 
     def fresh_slot_state(self) -> dict[str, Any]:
@@ -237,7 +239,7 @@ class GGUFMinion(SlotStates):
         meets another's."""
         block = next(filter(None, (c.take() for c in self._contexts)), None)
         if block is None:
-            block = self._new_context().take()
+            block = self._new_context(self.shared_requests if self._contexts else self.requests_per_context).take()
         return super().fresh_slot_state() | {"_request": RequestTree(block)}
 
     def release_slot_state(self, state: dict[str, Any]) -> None:
@@ -335,20 +337,43 @@ class GGUFMinion(SlotStates):
 
     # --- internals ----------------------------------------------------------------------
 
-    def _new_context(self) -> LlamaContext:
+    def _runs_per_block(self, blocks: int) -> int:
+        """Tree nodes one request runs per grow in a context of `blocks` requests: the
+        256 sequence ids split between them, one of each block holding the prefix."""
+        return max(1, min(self._tree_runs, _MAX_SEQUENCES // blocks - 1))
+
+    def _context_params(self, blocks: int) -> Any:
+        lib, cparams = self._lib, self._lib.llama_context_default_params()
+        cparams.n_ctx = self._n_ctx * blocks
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        # llama.cpp reserves at least one output row per sequence and aborts the process
+        # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
+        cparams.n_seq_max = (self._runs_per_block(blocks) + 1) * blocks  # + each request's prefix sequence
+        cparams.n_outputs_max = max(self.n_batch, cparams.n_seq_max)
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.type_k = cparams.type_v = _KV_TYPES[self._kv_type]
+        cparams.no_perf = True
+        if self._kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
+            cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        return cparams
+
+    def _new_context(self, blocks: int) -> LlamaContext:
         lib, first = self._lib, not self._context_buffers
+        cparams = self._context_params(blocks)
         with buffer_report() as buffers:
-            ctx = lib.llama_init_from_model(self._model, self._cparams)
+            ctx = lib.llama_init_from_model(self._model, cparams)
         if not ctx:
             if first:
                 raise ModelLoadError(f"llama.cpp could not create a context for {self.path} "
-                                     f"(n_ctx={self._cparams.n_ctx}): try a smaller n_ctx.")
+                                     f"(n_ctx={cparams.n_ctx}): try a smaller n_ctx.")
             raise MemoryPlanError(f"llama.cpp could not create another context for {self.path} "
-                                  f"({sum(self._context_buffers.values()) / 2**20:.0f} MiB). Serve fewer requests "
-                                  f"at once, or give the minion a smaller n_ctx.")
+                                  f"({sum(self._context_buffers.values()) / 2**20:.0f} MiB for "
+                                  f"{self.requests_per_context} request(s)). Serve fewer requests at once, or "
+                                  f"give the minion a smaller n_ctx.")
         if first:
             self._context_buffers = buffers
-        llama = LlamaContext(lib, ctx, blocks=self.requests_per_context, n_batch=self.n_batch,
+        llama = LlamaContext(lib, ctx, blocks=blocks, n_batch=self.n_batch,
                              vocab_size=self.vocab_size, threads=self.n_threads)
         self._contexts.append(llama)
         return llama

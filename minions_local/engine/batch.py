@@ -85,6 +85,7 @@ class BatchRun:
         self.decoder = engine.decoder
         self.parallel = parallel
         self.pool = SlotPool(parallel)
+        self.decoder.expect_requests(parallel)
         self.running: list[BatchRequest] = []
         self.passes = 0
 

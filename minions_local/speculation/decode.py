@@ -20,22 +20,23 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
 
 import torch
 
 from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
-from minions_local.core.protocols import CandidateTree, GrowBudget, Minion, PromptChunk, SlotTree, Target
+from minions_local.core.protocols import Minion, PromptChunk, SlotTree, Target
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
-from minions_local.speculation.budget import BudgetPolicy, StepBudget, width_for
+from minions_local.speculation.budget import BudgetPolicy, StepBudget
+from minions_local.speculation.growing import Growth, GrowJob, grow_all, new_job
 from minions_local.speculation.lanes import Lane, StepRequest
 from minions_local.speculation.selection import MinionSelector
-from minions_local.speculation.vote import merge_greedy, merge_sampled, source_shares
+from minions_local.speculation.vote import merge_greedy, merge_sampled
 
 T = TypeVar("T")
 
@@ -47,30 +48,6 @@ class StepResult:
     record: StepRecord
     tree: TokenTree = field(repr=False)
     path: list[int] = field(repr=False)
-
-
-@dataclass
-class Growth:
-    """What the minions did in one step; each list has one entry per minion, in the
-    decoder's order."""
-
-    proposals: list[CandidateTree | None]
-    """Each minion's proposal; None: it did not grow this step."""
-    seconds: list[float]
-    """Each minion's grow() time (0.0 when it did not grow)."""
-    allowed: list[int]
-    """The draft nodes each minion was allowed (its share, when sampling)."""
-    run_order: list[int] = field(default_factory=list)
-    """The minions that grew, in the order they grew in."""
-
-    @classmethod
-    def empty(cls, minions: int) -> Growth:
-        """No minion grew (none to ask, or a zero budget)."""
-        return cls([None] * minions, [0.0] * minions, [0] * minions)
-
-    @property
-    def ran(self) -> list[bool]:
-        return [p is not None for p in self.proposals]
 
 
 @dataclass
@@ -212,6 +189,15 @@ class Decoder:
             if use is not None:
                 use(slot)
 
+    def expect_requests(self, count: int) -> None:
+        """`count` requests will share steps from now on (a batch): minions that share
+        their own passes between requests (GGUF: `share_passes`) make room for them
+        together, so that growing all their trees costs a pass per tree level."""
+        for m in self.minions:
+            share = getattr(m, "share_passes", None)
+            if share is not None:
+                share(count)
+
     def release(self, slot: int) -> None:
         """Free everything a finished request held (slot 0, the conversation, is
         emptied rather than freed)."""
@@ -267,7 +253,9 @@ class Decoder:
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
-        plans = [self._plan(r, b) for r, b in zip(requests, budgets)]
+        jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
+        grow_all(self.minions, [job for job, _ in jobs])
+        plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
         for plan in plans:
             plan.t_grow += t_policy / len(plans)
         t1 = time.perf_counter()
@@ -306,23 +294,32 @@ class Decoder:
             chosen[i] = budget
         return chosen
 
-    def _plan(self, request: StepRequest, budget: StepBudget) -> _Plan:
-        """Grow and vote one request's tree on its slot of every minion."""
-        start = time.perf_counter()
+    def _job(self, request: StepRequest, budget: StepBudget) -> tuple[GrowJob, float]:
+        """One request's growing, ready to run on its slot of every minion (growing.py),
+        and the seconds spent making it ready (not counting the minions' prompt read,
+        which the policy prices apart)."""
         lane = self.lanes.setdefault(request.slot, Lane())
         self._minions_use(request.slot)
         if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and budget.nodes > 0):
-            self._minions_read(lane, request.context)  # not timed as growing: the policy prices it apart
-            start = time.perf_counter()
+            self._minions_read(lane, request.context)
+        start = time.perf_counter()
+        selector = self.selector(request.regime)
+        draws = request.params if request.regime == "sampled" else None
+        job = new_job(request.context, request.slot, budget, selector, selector.weights(), self.minions,
+                      draws=draws, generator=request.generator, top_k=self.top_k,
+                      vocab_limit=self.target.vocab_size)
+        return job, time.perf_counter() - start
+
+    def _plan(self, request: StepRequest, budget: StepBudget, job: GrowJob, t_own: float) -> _Plan:
+        """Vote one request's grown proposals into the tree the target verifies."""
+        start = time.perf_counter()
+        lane = self.lanes[request.slot]
         alone = lane.prompt_unread is not None
         if lane.prompt_unread == "first step":
             lane.prompt_unread = "read now"
-        selector = self.selector(request.regime)
-        weights = selector.weights()
-        draws = request.params if request.regime == "sampled" else None
-        growth = self._grow(request.context, budget, selector, weights, draws, request.generator)
-        tree = self._vote(request.context[-1], growth, weights, budget, sampled=draws is not None)
-        return _Plan(request, budget, growth, weights, tree, alone, time.perf_counter() - start)
+        tree = self._vote(request.context[-1], job.growth, job.weights, budget, sampled=job.sampled)
+        t_grow = t_own + sum(job.growth.seconds) + time.perf_counter() - start
+        return _Plan(request, budget, job.growth, job.weights, tree, alone, t_grow)
 
     def _verify(self, plans: list[_Plan], chunks: Sequence[PromptChunk] = ()) -> list[tuple[list[int], int, int]]:
         """The target's pass over every plan's tree, then each request's acceptance and
@@ -386,38 +383,6 @@ class Decoder:
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
-    def _grow(self, context: list[int], budget: StepBudget, selector: MinionSelector, weights: list[float],
-              draws: SamplingParams | None, generator: torch.Generator | None) -> Growth:
-        """Every minion the selector picks grows its proposal within its budget, cheapest
-        first; one is skipped when the proposals so far already expect more accepted
-        tokens than it usually adds.
-
-        draws: the sampling settings the minions draw their drafts with (None: each
-        proposes its most probable tokens)."""
-        growth = Growth.empty(len(self.minions))
-        if not self.minions or budget.nodes <= 0 or budget.depth <= 0:
-            return growth
-        chosen = selector.choose()
-        budgets = self._grow_budgets(budget, weights, chosen, draws, generator)
-        growth.allowed = [b.max_nodes for b in budgets]
-        expected = 0.0
-        for m in selector.order():
-            if not chosen[m] or not selector.still_needed(m, expected):
-                continue
-            self._grow_one(m, context, budgets[m], growth)
-            expected = max(expected, selector.expected(m, growth.proposals[m]))
-        if draws is None and not any(growth.proposals[m] for m in growth.run_order):
-            # Nobody proposed anything (the n-gram minion found no repeat, say) while a
-            # minion sits out: an empty tree spends a whole target pass on one token, so
-            # the cheapest benched minion grows after all. Measured on SmolLM2 with a
-            # q3_k_m substitute and n-gram (fixed 32 nodes, 4 chat prompts): 9 of 67
-            # steps verified an empty tree without this. (Sampled steps keep their shares:
-            # a benched minion has none.)
-            benched = [m for m in selector.order() if growth.proposals[m] is None]
-            if benched:
-                self._grow_one(benched[0], context, budgets[benched[0]], growth)
-        return growth
-
     def _grow_ahead(self, growth: Growth, budget: StepBudget) -> GrowingAhead | None:
         """Start the minions that grew and can grow ahead on it while the target verifies."""
         ahead = [self.minions[m] for m in growth.run_order if self.minions[m].grows_ahead and growth.proposals[m]]
@@ -425,12 +390,6 @@ class Decoder:
             return None
         expected = budget.predicted_t_verify or self._verify_seconds
         return GrowingAhead(ahead, ahead_budget(budget.nodes, budget.depth, self.top_k), expected or math.inf)
-
-    def _grow_one(self, m: int, context: list[int], budget: GrowBudget, growth: Growth) -> None:
-        start = time.perf_counter()
-        growth.proposals[m] = self.minions[m].grow(context, budget)
-        growth.seconds[m] = time.perf_counter() - start
-        growth.run_order.append(m)
 
     def _vote(self, root: int, growth: Growth, weights: list[float], budget: StepBudget, *,
               sampled: bool) -> TokenTree:
@@ -443,27 +402,6 @@ class Decoder:
             return merge_sampled(root, growth.proposals, weights, self.target.vocab_size, growth.run_order)
         merged = merge_greedy(root, growth.proposals, weights, self.target.vocab_size)
         return merged.select(budget.nodes, budget.free_depth)
-
-    def _grow_budgets(self, budget: StepBudget, weights: list[float], chosen: list[bool],
-                      draws: SamplingParams | None, generator: torch.Generator | None) -> list[GrowBudget]:
-        """Per minion: the step's tree shape (greedy), or its own share of the nodes with
-        the sampling settings and the draft generator (sampled)."""
-        if draws is None:
-            shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=self.top_k)
-            budgets = [shared] * len(self.minions)
-        else:
-            shares = source_shares(weights, chosen, budget.nodes, budget.depth, self.top_k)
-            # The drafts' own stream, seeded from the request's so a seeded run repeats.
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-            drafts = torch.Generator().manual_seed(seed)
-            budgets = [GrowBudget(max_nodes=share, max_depth=budget.depth, width=width_for(share, budget.depth),
-                                  top_k=self.top_k, sampling=draws, generator=drafts,
-                                  vocab_limit=self.target.vocab_size)
-                       for share in shares]
-        # A minion that pays nothing per level (n-gram) follows a long repeat as far as
-        # the step allows: the depth budget is there to bound the model minions' passes.
-        return [replace(b, max_depth=budget.free_depth) if m.depth_is_free else b
-                for b, m in zip(budgets, self.minions)]
 
     def _of_those_that_ran(self, growth: Growth, values: Sequence[T]) -> dict[str, T]:
         """Per-minion values as {name: value}, for the minions that grew this step."""

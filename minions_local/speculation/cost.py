@@ -33,7 +33,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from minions_local.speculation.budget import grow_shape, width_for
-from minions_local.speculation.cost_fit import PRIOR_WEIGHT, fit_hinge, fit_line
+from minions_local.speculation.cost_fit import PRIOR_WEIGHT, fit_constant, fit_hinge, fit_line, fit_plane
 
 Acceptance = float | Sequence[float]
 
@@ -46,19 +46,35 @@ STEP_OVERHEAD_S = 0.001  # voting, tree packing and bookkeeping per step (Python
 
 @dataclass(frozen=True)
 class VerifyTime:
-    """t(N) = max(flat, base + slope * (N + 1)) seconds for N draft nodes."""
+    """t(N) = max(flat, base + slope * (N + 1)) seconds for N draft nodes, except that
+    a pass of the root alone (N = 0) may have a time of its own, `single`, once one is
+    measured: a one-row pass can take another kernel path. On a CPU without bf16
+    kernels (2-core AVX2 EPYC, cpu-demo-disk) it took 212 ms against 346 for 8 rows and
+    367 for 16: fitted through all of them, the line's slope came out 9 ms a row
+    instead of ~3, and trees looked three times dearer than they were."""
 
     flat: float
     base: float
     slope: float
+    single: float | None = None
 
     def __call__(self, nodes: int) -> float:
+        if nodes == 0 and self.single is not None:
+            return self.single
         return max(self.flat, self.base + self.slope * (nodes + 1))
 
     def fit(self, samples: Sequence[tuple[int, float]], weight: float = PRIOR_WEIGHT) -> "VerifyTime":
-        """Refit to measured (nodes, seconds) samples, with self as the prior."""
-        pts = [(n + 1, s) for n, s in samples]
-        return VerifyTime(*fit_hinge(pts, (self.flat, self.base, self.slope), weight))
+        """Refit to measured (nodes, seconds) samples, with self as the prior: the line
+        to passes with draft nodes, `single` to those without."""
+        pts = [(n + 1, s) for n, s in samples if n > 0]
+        line = fit_hinge(pts, (self.flat, self.base, self.slope), weight) if pts else (self.flat, self.base,
+                                                                                     self.slope)
+        alone = [s for n, s in samples if n == 0 and s > 0]
+        single = self.single
+        if alone:
+            prior = self.single if self.single is not None else self(0)
+            single = fit_constant(alone, prior, weight, sum(alone) / len(alone))
+        return VerifyTime(*line, single=single)
 
 
 @dataclass(frozen=True)
@@ -117,10 +133,17 @@ class CostModel:
     step_overhead: float = STEP_OVERHEAD_S
     parts: Mapping[str, float] = field(default_factory=dict)
     """How the prior was built (seconds): stream_ram, stream_disk, floor, overhead, slope."""
+    per_request: float = 0.0
+    """Seconds each request beyond the first adds to a shared pass, whatever its rows:
+    its own attention over its own cache, its mask, its cache writes (compact.py
+    forward_parts). cpu-demo-disk, AVX2, 16 rows: 367 ms as one request's tree, 420 as
+    16 requests' roots, ~3.5 ms a request; 32 rows: 405 against 503 ms."""
 
     # -- predictions -------------------------------------------------------------------
-    def t_verify(self, nodes: int) -> float:
-        return self.verify(nodes)
+    def t_verify(self, nodes: int, requests: int = 1) -> float:
+        """A pass over `nodes` draft nodes plus the roots, `requests` of them (each
+        root beyond the first counts among the nodes)."""
+        return self.verify(nodes) + self.per_request * (requests - 1)
 
     def t_grow(self, nodes: int, depth: int, width: int | None = None) -> float:
         """All minions grow in turn (they share the device), then the vote."""
@@ -184,16 +207,34 @@ class CostModel:
     ) -> "CostModel":
         """A new model fitted to measurements, this one as the prior.
 
-        verify_samples: (draft nodes, t_verify seconds) per step.
+        verify_samples: (draft nodes, t_verify seconds[, requests sharing the pass]) per
+            pass; a shared pass's nodes count every root beyond the first.
         grow_samples: per minion name, (width, seconds per forward pass).
         weight: how many samples' worth the prior counts for.
         """
-        verify = self.verify.fit(verify_samples, weight) if verify_samples else self.verify
+        verify, per_request = self._fit_verify(verify_samples, weight)
         grow_samples = grow_samples or {}
         grow = tuple(
             g.fit(grow_samples[g.name], weight) if grow_samples.get(g.name) else g for g in self.grow
         )
-        return replace(self, verify=verify, grow=grow)
+        return replace(self, verify=verify, grow=grow, per_request=per_request)
+
+    def _fit_verify(self, samples: Sequence[tuple], weight: float) -> tuple[VerifyTime, float]:
+        """The line and the per-request cost. The line's fit says which passes lie on
+        its sloped part; there base, slope and per-request cost are fitted together
+        (rows and requests grow together in shared passes: fitted in turn, the line
+        would keep most of the requests' cost), then the line again, to the passes less
+        their requests' cost."""
+        if not samples:
+            return self.verify, self.per_request
+        points = [(s[0], s[1], s[2] if len(s) > 2 else 1) for s in samples]
+        verify = self.verify.fit([(n, t - self.per_request * (k - 1)) for n, t, k in points], weight)
+        sloped = [(n + 1, k - 1, t) for n, t, k in points
+                  if n > 0 and verify.base + verify.slope * (n + 1) >= verify.flat]
+        if not any(k for _, k, _ in sloped):
+            return verify, self.per_request
+        per_request = fit_plane(sloped, (verify.base, verify.slope, self.per_request), weight)[2]
+        return self.verify.fit([(n, t - per_request * (k - 1)) for n, t, k in points], weight), per_request
 
 
 # -- the acceptance estimate ---------------------------------------------------------------

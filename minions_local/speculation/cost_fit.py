@@ -78,7 +78,7 @@ def fit_hinge(
     splits = sorted({round(i * n / MAX_SPLITS) for i in range(MAX_SPLITS + 1)}) if n > MAX_SPLITS else range(n + 1)
     for k in splits:
         flat_part, slope_part = pts[:k], pts[k:]
-        flat = _fit_constant([y for _, y in flat_part], prior[0], weight, y_mean)
+        flat = fit_constant([y for _, y in flat_part], prior[0], weight, y_mean)
         if slope_part:
             xs, ys = zip(*slope_part)
             base, slope = _solve_line(xs, ys, prior[1:], weight)
@@ -91,7 +91,47 @@ def fit_hinge(
     return best[1]
 
 
-def _fit_constant(ys: Sequence[float], prior: float, weight: float, scale: float) -> float:
+def fit_plane(samples: Iterable[tuple[float, float, float]], prior: tuple[float, float, float],
+              weight: float = PRIOR_WEIGHT) -> tuple[float, float, float]:
+    """(a, b, c) >= 0 of y = a + b*x + c*z from (x, z, y) samples: least squares on
+    relative error with a ridge toward `prior`, as _solve_line does for a line."""
+    pts = [(1.0, float(x), float(z), float(y)) for x, z, y in samples if y > 0]
+    if not pts:
+        return prior
+    y_mean = sum(p[3] for p in pts) / len(pts)
+    scales = [max(abs(p0), y_mean / max(sum(p[i] for p in pts) / len(pts), 1e-9), _EPS)
+              for i, p0 in enumerate(prior)]
+    m = [[weight / scales[i] ** 2 if i == j else 0.0 for j in range(3)] for i in range(3)]
+    v = [weight * prior[i] / scales[i] ** 2 for i in range(3)]
+    for *row, y in pts:
+        w = 1.0 / y**2
+        for i in range(3):
+            v[i] += w * row[i] * y
+            for j in range(3):
+                m[i][j] += w * row[i] * row[j]
+    solved = _solve3(m, v)
+    return prior if solved is None else tuple(max(c, 0.0) for c in solved)  # type: ignore[return-value]
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """m x = v for a 3x3 system (Gaussian elimination with partial pivoting)."""
+    a = [row[:] + [b] for row, b in zip(m, v)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-30:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, 3):
+            f = a[r][col] / a[col][col]
+            for c in range(col, 4):
+                a[r][c] -= f * a[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (a[r][3] - sum(a[r][c] * x[c] for c in range(r + 1, 3))) / a[r][r]
+    return x
+
+
+def fit_constant(ys: Sequence[float], prior: float, weight: float, scale: float) -> float:
     r = weight / max(prior, scale, _EPS) ** 2
     num, den = r * prior, r
     for y in ys:

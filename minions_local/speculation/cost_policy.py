@@ -63,7 +63,8 @@ class CostModelBudget:
     _pass_records: int = 0
     """Records of the pass now being observed that have arrived so far."""
     _passes: deque = field(default_factory=deque, repr=False)
-    """Recent passes' (draft nodes priced, seconds): one sample per target pass."""
+    """Recent passes' (draft nodes priced, seconds, requests sharing it): one sample per
+    target pass."""
     _surprised: bool = False
     """A grow of this pass took far longer than predicted: refit once the pass is in."""
     _participation: dict = field(default_factory=dict, repr=False)
@@ -171,8 +172,9 @@ class CostModelBudget:
             curves.append(TreeCurve(gains, priced))
             depth_tables.append(depths)
             growing.append(grow)  # what the step record predicts: the read is not growing
-        nodes = split_rows(curves, self.model.t_verify)
-        t_verify = self.model.t_verify(sum(nodes) + len(nodes) - 1)
+        requests = len(mix)
+        nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests))
+        t_verify = self.model.t_verify(sum(nodes) + requests - 1, requests)
         budgets = []
         for (cap, _, _), n, grow, depths in zip(mix, nodes, growing, depth_tables):
             depth = depths[n] if n else 0
@@ -244,7 +246,7 @@ class CostModelBudget:
         if self._pass_records < max(1, record.batch_size):
             return
         self._pass_records = 0
-        self._passes.append((pass_nodes(record), record.t_verify))
+        self._passes.append((pass_nodes(record), record.t_verify, max(1, record.batch_size)))
         self._seen += 1
         if self._seen % self.refit_every == 0 or self._surprised:
             self._surprised = False

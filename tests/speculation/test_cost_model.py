@@ -109,6 +109,37 @@ def test_refit_recovers_a_hinge_from_samples():
         assert fitted(n) == pytest.approx(truth(n), rel=0.06)
 
 
+def test_a_one_row_pass_is_fitted_apart_from_the_line():
+    """A CPU's one-row pass runs another kernel path (cpu-demo-disk, AVX2: 212 ms, then
+    346 for 8 rows, 367 for 16, 405 for 32): the line's slope comes from the tree
+    passes, not from the jump between one row and eight."""
+    samples = [(0, 0.212), (7, 0.346), (15, 0.367), (31, 0.405)] * 4
+    fitted = CostModel(VerifyTime(flat=0.1, base=0.1, slope=0.001)).refined(verify_samples=samples).verify
+    assert fitted(0) == pytest.approx(0.212, rel=0.05)
+    assert fitted.slope < 0.0045  # ~2.5 ms a row, not (346 - 212) / 7 = 19
+    assert fitted(15) == pytest.approx(0.367, rel=0.03)
+    assert VerifyTime(0.3, 0.0, 0.001)(0) == 0.3  # nothing measured alone: the line holds
+
+
+def test_refit_tells_a_shared_pass_requests_from_its_rows():
+    """Each request sharing a pass adds its own attention; fitted apart, the line keeps
+    the cost of a row, and a split of k requests prices its nodes at that."""
+    truth = VerifyTime(flat=0.0, base=0.3, slope=0.003)
+
+    def seconds(nodes, requests):
+        return truth(nodes) + 0.005 * (requests - 1)
+
+    samples = [(n, seconds(n, 1)) for n in (3, 7, 15, 31)]
+    samples += [(k - 1 + extra, seconds(k - 1 + extra, k), k) for k in (4, 8, 16) for extra in (0, 8, 24)]
+    model = CostModel(VerifyTime(flat=0.0, base=0.2, slope=0.001)).refined(verify_samples=samples * 2)
+    assert model.per_request == pytest.approx(0.005, rel=0.15)
+    assert model.verify.slope == pytest.approx(0.003, rel=0.1)
+    assert model.t_verify(31, 8) == pytest.approx(seconds(31, 8), rel=0.02)
+    lumped = CostModel(VerifyTime(flat=0.0, base=0.2, slope=0.001)).refined(
+        verify_samples=[(n, t) for n, t, *_ in samples * 2])
+    assert lumped.verify.slope > 0.0035  # one line through both: rows look dearer than they are
+
+
 def test_refit_keeps_the_prior_where_samples_say_nothing():
     prior = VerifyTime(flat=1.0, base=0.02, slope=0.001)
     fitted = prior.fit([(8, 0.8), (16, 0.8), (32, 0.8)])
@@ -357,4 +388,4 @@ def test_a_shared_pass_is_one_step_of_the_refit_and_one_verify_sample():
         shared_pass(1, 4, 0.3)
     shared_pass(1, 4, 0.3)
     assert refits == [4, 8]
-    assert list(policy._passes)[:4] == [(31, 0.5)] * 4
+    assert list(policy._passes)[:4] == [(31, 0.5, 16)] * 4

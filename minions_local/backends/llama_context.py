@@ -94,6 +94,36 @@ class SeqBlock:
         return range(self.first + 1, self.first + self.size)
 
 
+KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+
+def runs_per_block(runs: int, blocks: int) -> int:
+    """Tree nodes one request runs per grow in a context of `blocks` requests (at most
+    `runs`): the 256 sequence ids split between them, one of each block holding the
+    request's prefix."""
+    return max(1, min(runs, MAX_SEQUENCES // blocks - 1))
+
+
+def context_params(lib: Any, *, n_ctx: int, blocks: int, runs: int, n_batch: int, threads: int,
+                   kv_type: str) -> Any:
+    """A context for `blocks` requests of n_ctx tokens each, in one unified KV cache."""
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = n_ctx * blocks
+    cparams.n_batch = cparams.n_ubatch = n_batch
+    # llama.cpp reserves at least one output row per sequence and aborts the process
+    # (GGML_ASSERT) if that exceeds n_outputs_max, which defaults to n_batch.
+    cparams.n_seq_max = (runs_per_block(runs, blocks) + 1) * blocks  # + each request's prefix sequence
+    cparams.n_outputs_max = max(n_batch, cparams.n_seq_max)
+    cparams.kv_unified = True
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+    cparams.no_perf = True
+    if kv_type == "f32":  # CPU flash attention is ~3e-4 off HF (measured); plain attention ~4e-7
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return cparams
+
+
 class LlamaContext:
     """One llama.cpp context (KV cache, batch, logits) split into `blocks` blocks of
     sequence ids, one per request. `ctx` is a context made with n_seq_max a multiple

@@ -60,7 +60,7 @@ import torch
 from minions_local.core.errors import MemoryPlanError, ModelLoadError, VocabularyMismatchError
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
 from minions_local.core.slots import SlotStates
-from minions_local.backends.frontier import Frontier, drawn_children
+from minions_local.backends.frontier import Frontier, drawn_children, top_children
 from minions_local.backends.gguf_request import RequestTree
 from minions_local.backends.llama_context import (KV_TYPES, MAX_SEQUENCES, LlamaContext, buffer_report,
                                                   context_params, import_llama_cpp, runs_per_block)
@@ -280,14 +280,28 @@ class GGUFMinion(SlotStates):
 
     def prefill(self, context: Sequence[int]) -> np.ndarray:
         """Bring the slot's prefix sequence to `context` (reusing the longest cached
-        prefix) and return the logits after its last token, the tree root."""
-        request = self._request
-        pending = self._prefill_plan(context)
-        n, start = len(pending), len(request.prefix)
-        logits = self._decode(pending, list(range(start, start + n)), [request.block.first] * n,
-                              [i == n - 1 for i in range(n)])
-        request.prefix.extend(pending)
-        return logits[-1]
+        prefix) and return the logits after its last token, the tree root. On n_threads:
+        it may run beside the target's own prefill (speculation/decode.py)."""
+        return self._read_prompts([(self.slot, context)])[-1]
+
+    def prefill_batch(self, requests: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """`prefill` for several requests, given as (slot, context), while nothing else
+        runs: on grow_threads, and the requests sharing a context in one pass. 8 chat
+        prompts (462 tokens), q3_k_m substitute, 2-core AVX2 EPYC: 0.90 s against 1.69
+        one after another on one thread. The slot in use stays."""
+        back, by_context = self.slot, {}
+        for slot, context in requests:
+            self.use_slot(slot)
+            by_context.setdefault(self._request.block.context, []).append((slot, context))
+        try:
+            for llama, members in by_context.items():
+                llama.use_threads(self.grow_threads)
+                try:
+                    self._read_prompts(members)
+                finally:
+                    llama.use_threads(self.n_threads)
+        finally:
+            self.use_slot(back)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits after every token of `tokens`, computed from scratch ([len, vocab])."""
@@ -373,7 +387,6 @@ class GGUFMinion(SlotStates):
         """Give each request (all in one context) its tree's root: the tree carried over
         from growing ahead, or a new one from its prompt, every prompt's new tokens
         in one pass."""
-        rows: tuple[list[int], list[int], list[int], list[bool]] = ([], [], [], [])
         fresh = []
         for slot, context, budget in requests:
             self.use_slot(slot)
@@ -386,24 +399,38 @@ class GGUFMinion(SlotStates):
                 # come from their own step's generator.)
                 frontier.budget = budget
                 continue
-            pending = self._prefill_plan(context)
-            rows[0].extend(pending)
-            rows[1].extend(range(len(request.prefix), len(request.prefix) + len(pending)))
-            rows[2].extend([request.block.first] * len(pending))
-            rows[3].extend([False] * (len(pending) - 1) + [True])
-            fresh.append((slot, budget, pending))
+            fresh.append((slot, budget, context))
         if not fresh:
             return
-        roots = self._decode(*rows, slots=[slot for slot, _, _ in fresh])
-        for (slot, budget, pending), root_logits in zip(fresh, roots):
+        roots = self._read_prompts([(slot, context) for slot, _, context in fresh])
+        for (slot, budget, _), root_logits in zip(fresh, roots):
             self.use_slot(slot)
             request = self._request
-            request.prefix.extend(pending)
             # Sampled: children are drawn and ranked by draw order, so the tree's shape
             # never depends on what was drawn (frontier.py, accept.py).
             request.frontier = Frontier(CandidateTree(), budget, ranked=budget.sampling is not None)
             request.tree = request.frontier.tree
             self._offer(request.frontier, root_logits[None, :], [-1])
+
+    def _read_prompts(self, requests: Sequence[tuple[int, Sequence[int]]]) -> np.ndarray:
+        """Bring each request's (slot, context; all in one context) prefix sequence up
+        to its context, every request's new tokens in one pass; the logits after each
+        context's last token, its tree root."""
+        rows: tuple[list[int], list[int], list[int], list[bool]] = ([], [], [], [])
+        pending = []
+        for slot, context in requests:
+            self.use_slot(slot)
+            request, new = self._request, self._prefill_plan(context)
+            rows[0].extend(new)
+            rows[1].extend(range(len(request.prefix), len(request.prefix) + len(new)))
+            rows[2].extend([request.block.first] * len(new))
+            rows[3].extend([False] * (len(new) - 1) + [True])
+            pending.append(new)
+        roots = self._decode(*rows, slots=[slot for slot, _ in requests])
+        for (slot, _), new in zip(requests, pending):
+            self.use_slot(slot)
+            self._request.prefix.extend(new)
+        return roots
 
     def _run_levels(self, slots: list[int], window: AheadWindow | None = None) -> None:
         """Run the best nodes of the slots' trees (all in one context), one pass per
@@ -451,7 +478,7 @@ class GGUFMinion(SlotStates):
             for row, parent in zip(rows, parents):
                 frontier.offer(parent, drawn_children(row, budget, frontier.tree, parent))
             return
-        tokens, logprobs = _top_children(logits, budget.top_k)
+        tokens, logprobs = top_children(logits, budget.top_k)
         for row, parent in enumerate(parents):
             frontier.offer(parent, zip(tokens[row].tolist(), logprobs[row].tolist()))
 
@@ -469,18 +496,3 @@ class GGUFMinion(SlotStates):
                 self.reset()
             self.use_slot(back)
             raise RuntimeError(f"{err} for {self.path} (n_ctx={self.n_ctx} per request)") from None
-
-
-def _top_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of [rows, vocab] logits: the k best tokens (best first, ties by id) and
-    their log-probabilities. One vectorised pass for a whole frontier, in torch: on a
-    49k vocabulary its topk and logsumexp take 0.2 ms for a 2-row level where numpy's
-    argpartition and exp took 1.1 (5.3 against 0.7 ms for 8 rows), and a grow runs one
-    per level."""
-    k = min(k, logits.shape[1])
-    rows = torch.from_numpy(logits)
-    values, top = torch.topk(rows, k, dim=1)
-    logprobs = (values - torch.logsumexp(rows, dim=1, keepdim=True)).numpy()
-    top = top.numpy()
-    order = np.lexsort((top, -logprobs), axis=1)
-    return np.take_along_axis(top, order, axis=1), np.take_along_axis(logprobs, order, axis=1)

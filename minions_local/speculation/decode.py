@@ -124,7 +124,7 @@ class Decoder:
             # OpenMP's thread count is per OS thread: a new thread would start at one
             # per core and oversubscribe the CPU (measured: 0.59x instead of 1.35x).
             torch.set_num_threads(threads)
-            self._minions_read(lane, context)
+            self._minions_read([(slot, lane, context)], beside_target=True)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minion-prefill") as pool:
             minions = pool.submit(minions_read)
@@ -151,15 +151,27 @@ class Decoder:
         elif self.minions and unread >= self.MINIONS_READ_LATER:
             lane.prompt_unread = "first step"
         else:
-            self._minions_read(lane, context)
+            self._minions_read([(slot, lane, context)])
 
-    def _minions_read(self, lane: Lane, context: list[int]) -> None:
-        unread = lane.unread(context)
+    def _minions_read(self, reads: list[tuple[int, Lane, list[int]]], *, beside_target: bool = False) -> None:
+        """The minions read each (slot, lane, context)'s unread prompt. With the target
+        idle, a minion that can (`prefill_batch`: llama.cpp) reads them all at once on
+        every core; beside the target's own prefill each reads on its own threads."""
+        unread = sum(lane.unread(context) for _, lane, context in reads)
         start = time.perf_counter()
-        lane.minions_saw = list(context)
-        lane.prompt_unread = None
+        for _, lane, context in reads:
+            lane.minions_saw = list(context)
+            lane.prompt_unread = None
         for m in self.minions:
-            m.prefill(context)
+            together = None if beside_target else getattr(m, "prefill_batch", None)
+            if together is not None:
+                together([(slot, context) for slot, _, context in reads])
+                continue
+            for slot, _, context in reads:
+                use = getattr(m, "use_slot", None)
+                if use is not None:
+                    use(slot)
+                m.prefill(context)
         if unread >= self.TIMED_READ:
             per_token = (time.perf_counter() - start) / unread
             known = self.read_seconds_per_token
@@ -253,6 +265,9 @@ class Decoder:
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
+        self._minions_read([(r.slot, lane, r.context) for r, b in zip(requests, budgets)
+                            for lane in [self.lanes.setdefault(r.slot, Lane())]
+                            if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and b.nodes)])
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
         grow_all(self.minions, [job for job, _ in jobs])
         plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
@@ -296,12 +311,8 @@ class Decoder:
 
     def _job(self, request: StepRequest, budget: StepBudget) -> tuple[GrowJob, float]:
         """One request's growing, ready to run on its slot of every minion (growing.py),
-        and the seconds spent making it ready (not counting the minions' prompt read,
-        which the policy prices apart)."""
-        lane = self.lanes.setdefault(request.slot, Lane())
+        and the seconds spent making it ready."""
         self._minions_use(request.slot)
-        if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and budget.nodes > 0):
-            self._minions_read(lane, request.context)
         start = time.perf_counter()
         selector = self.selector(request.regime)
         draws = request.params if request.regime == "sampled" else None

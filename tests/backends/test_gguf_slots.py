@@ -216,3 +216,36 @@ def test_requests_sharing_a_context_interleave_as_alone_and_free_it_together(dem
     minion.use_slot(0)
     assert minion._request.prefix[:len(prompts[0])] == prompts[0]
     minion.close()
+
+
+def test_a_batch_reads_its_prompts_in_one_pass_as_each_alone(demo_gguf, prompts):
+    """prefill_batch (a batch's prompts, read while the target waits): the requests of
+    a shared context read in one pass, and each then grows the tree it grows after a
+    prefill of its own; the slot in use stays."""
+    from minions_local.backends.gguf import GGUFMinion
+
+    budget = GrowBudget(max_nodes=10, max_depth=4, width=3, top_k=3)
+    alone = GGUFMinion(demo_gguf, n_ctx=N_CTX)
+    want = {}
+    for slot, prompt in enumerate(prompts, start=1):
+        alone.use_slot(slot)
+        alone.prefill(prompt)
+        want[slot] = alone.grow(prompt, budget)
+    together = GGUFMinion(demo_gguf, n_ctx=N_CTX)
+    together.share_passes(len(prompts))
+    decodes = []
+    original = type(together._request.block.context).decode
+    try:
+        type(together._request.block.context).decode = lambda self, *a: decodes.append(len(a[0])) or original(self, *a)
+        together.prefill_batch(list(enumerate(prompts, start=1)))
+    finally:
+        type(together._request.block.context).decode = original
+    assert decodes == [sum(map(len, prompts))] and together.slot == 0
+    for slot, prompt in enumerate(prompts, start=1):
+        together.use_slot(slot)
+        assert together._request.prefix == prompt
+        got = together.grow(prompt, budget)
+        assert (got.tokens, got.parents) == (want[slot].tokens, want[slot].parents)
+        assert got.logprobs == pytest.approx(want[slot].logprobs, rel=1e-4, abs=1e-4)
+    alone.close()
+    together.close()

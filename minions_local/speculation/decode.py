@@ -157,6 +157,8 @@ class Decoder:
         """The minions read each (slot, lane, context)'s unread prompt. With the target
         idle, a minion that can (`prefill_batch`: llama.cpp) reads them all at once on
         every core; beside the target's own prefill each reads on its own threads."""
+        if not reads:
+            return
         unread = sum(lane.unread(context) for _, lane, context in reads)
         start = time.perf_counter()
         for _, lane, context in reads:
@@ -265,9 +267,7 @@ class Decoder:
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
-        self._minions_read([(r.slot, lane, r.context) for r, b in zip(requests, budgets)
-                            for lane in [self.lanes.setdefault(r.slot, Lane())]
-                            if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and b.nodes)])
+        self._minions_read(self._reads_due(requests, budgets))
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
         grow_all(self.minions, [job for job, _ in jobs])
         plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
@@ -308,6 +308,17 @@ class Decoder:
         for i, budget in zip(asking, picked):
             chosen[i] = budget
         return chosen
+
+    def _reads_due(self, requests: Sequence[StepRequest],
+                   budgets: list[StepBudget]) -> list[tuple[int, Lane, list[int]]]:
+        """The prompts the minions read before this step's growing: deferred past a
+        long prompt's first step, or until a batch request's first tree."""
+        due = []
+        for r, b in zip(requests, budgets):
+            lane = self.lanes.setdefault(r.slot, Lane())
+            if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and b.nodes > 0):
+                due.append((r.slot, lane, r.context))
+        return due
 
     def _job(self, request: StepRequest, budget: StepBudget) -> tuple[GrowJob, float]:
         """One request's growing, ready to run on its slot of every minion (growing.py),

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     del engine, source  # only the minion's file is measured
     alone = GGUFMinion(path, n_ctx=2048)
     shared = GGUFMinion(path, n_ctx=2048)
-    shared.share_passes(args.requests)
+    shared.share_passes(args.requests, max(map(len, prompts)) + 128)  # the prompts and a reply each
     slots = range(1, args.requests + 1)
     for minion in (alone, shared):
         for slot, prompt in zip(slots, prompts):

@@ -80,12 +80,14 @@ class SlotPool:
 class BatchRun:
     """Requests decoding together on one engine, one shared target pass per `step`."""
 
-    def __init__(self, engine, parallel: int) -> None:
+    def __init__(self, engine, parallel: int, longest: int | None = None) -> None:
+        """longest: the most tokens (prompt and reply) a request of this batch may hold
+        (None: the context window, as for a server's requests yet to come)."""
         self.engine = engine
         self.decoder = engine.decoder
         self.parallel = parallel
         self.pool = SlotPool(parallel)
-        self.decoder.expect_requests(parallel)
+        self.decoder.expect_requests(parallel, longest or engine.context_length)
         self.running: list[BatchRequest] = []
         self.passes = 0
 
@@ -220,7 +222,8 @@ def run_batch(engine, prepared: list[PreparedRequest], parallel: int, progress: 
     slots free up, and yields (prompt index, event). Engine.cancel() ends every
     request at the next pass (the ones not started yet get an empty, cancelled reply)."""
     engine._acquire("start a batch")
-    run = BatchRun(engine, min(parallel, max(1, len(prepared))))
+    longest = max((len(p.ids) + p.max_new for p in prepared), default=None)
+    run = BatchRun(engine, min(parallel, max(1, len(prepared))), longest)
     bar = BatchProgress(len(prepared)) if progress else None
     try:
         engine._cancel.clear()

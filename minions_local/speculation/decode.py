@@ -203,14 +203,15 @@ class Decoder:
             if use is not None:
                 use(slot)
 
-    def expect_requests(self, count: int) -> None:
-        """`count` requests will share steps from now on (a batch): minions that share
-        their own passes between requests (GGUF: `share_passes`) make room for them
-        together, so that growing all their trees costs a pass per tree level."""
+    def expect_requests(self, count: int, tokens: int | None = None) -> None:
+        """`count` requests of at most `tokens` tokens each will share steps from now on
+        (a batch): minions that share their own passes between requests (GGUF:
+        `share_passes`) make room for them together, so that growing all their trees
+        costs a pass per tree level."""
         for m in self.minions:
             share = getattr(m, "share_passes", None)
             if share is not None:
-                share(count)
+                share(count, tokens)
 
     def release(self, slot: int) -> None:
         """Free everything a finished request held (slot 0, the conversation, is

@@ -249,3 +249,16 @@ def test_a_batch_reads_its_prompts_in_one_pass_as_each_alone(demo_gguf, prompts)
         assert got.logprobs == pytest.approx(want[slot].logprobs, rel=1e-4, abs=1e-4)
     alone.close()
     together.close()
+
+
+def test_a_batch_shares_contexts_only_while_their_cells_stay_few(demo_gguf):
+    """One shared KV cache makes every request's attention span every request's cells:
+    a batch shares contexts up to SHARED_CELLS tokens between its requests."""
+    from minions_local.backends.gguf import GGUFMinion
+
+    minion = GGUFMinion(demo_gguf, n_ctx=4096)
+    for requests, tokens, shared in [(8, 200, 8), (16, 200, 8), (3, 100, 3), (8, 3000, 2), (8, None, 2),
+                                     (8, 10**6, 2), (1, 50, 1)]:
+        minion.share_passes(requests, tokens)
+        assert minion.shared_requests == shared, (requests, tokens)
+    minion.close()

@@ -39,11 +39,8 @@ free (`slot_bytes`): 236 MiB for the default substitute, most of it the logits r
 and the compute buffer sized for 256 sequences and 512-token prompt chunks, and
 ~0.2 s to make. With `requests_per_context` > 1 requests share a context, those
 costs once, and `grow_batch` runs one pass per tree level for all of them. A batch
-(engine/batch.py) asks for that through `share_passes`: its slots share contexts of up
-to 8 requests and 8192 tokens, while slot 0, the conversation, keeps one of its own. 8 chat requests'
-trees (scripts/bench_grow_batch.py, 2-core AVX2 EPYC, 2 threads): 1 node 57 against
-91 ms grown one after another on contexts of their own, 2 nodes 93 against 157, 2 drawn
-nodes 131 against 186, 8 nodes 365 against 547.
+asks for that (`share_passes`: up to 8 requests and 8192 tokens to a context; slot 0,
+the conversation, keeps its own; speculation/growing.py has what it saves).
 """
 
 from __future__ import annotations
@@ -222,9 +219,8 @@ class GGUFMinion(SlotStates):
         return trees
 
     SHARED_MOST = 8
-    """Most requests in one context: their sequence ids split 256 ways, each request
-    runs at most 256 // 8 - 1 = 31 tree nodes per grow (ample for trees shared 8 ways;
-    more requests go to a second context, one more pass per level)."""
+    """Most requests in one context: each runs at most 256 // 8 - 1 = 31 tree nodes per
+    grow (ample for trees shared 8 ways; more requests go to a second context)."""
     SHARED_CELLS = 8192
     """Most tokens the requests of one shared context may hold between them. Its KV
     cache is one buffer, and llama.cpp's attention spans every request's cells (masked):
@@ -235,11 +231,9 @@ class GGUFMinion(SlotStates):
     def share_passes(self, requests: int, tokens: int | None = None) -> None:
         """`requests` requests of at most `tokens` tokens each (None: n_ctx) will decode
         together (a batch): the contexts made for slots from now on hold as many of them
-        as SHARED_MOST and SHARED_CELLS allow, so that grow_batch runs their trees one
-        pass per level for all of them. Slot 0, the conversation, keeps its own context:
-        a chat never pays for a batch's KV cache. The KV cache of a shared context is
-        allocated whole when the first of its requests arrives (n_ctx tokens for each);
-        its logits rows and compute buffer are paid once."""
+        as SHARED_MOST and SHARED_CELLS allow, for grow_batch to run their trees one pass
+        per level for all of them. A shared context's KV cache (n_ctx tokens a request)
+        is allocated whole with its first request; its logits and compute buffers once."""
         fit = self.SHARED_CELLS // max(1, min(tokens or self.n_ctx, self.n_ctx))
         self.shared_requests = max(1, min(requests, self.SHARED_MOST, fit))
 

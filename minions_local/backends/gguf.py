@@ -205,12 +205,9 @@ class GGUFMinion(SlotStates):
                 growing.setdefault(self._request.block.context, []).append(i)
         try:
             for llama, members in growing.items():
-                llama.use_threads(self.grow_threads)
-                try:
+                with llama.running_on(self.grow_threads):
                     self._start_trees([requests[i] for i in members])
                     self._run_levels([requests[i][0] for i in members])
-                finally:
-                    llama.use_threads(self.n_threads)
                 for i in members:
                     self.use_slot(requests[i][0])
                     trees[i] = self._request.proposal(requests[i][2])
@@ -297,11 +294,8 @@ class GGUFMinion(SlotStates):
             by_context.setdefault(self._request.block.context, []).append((slot, context))
         try:
             for llama, members in by_context.items():
-                llama.use_threads(self.grow_threads)
-                try:
+                with llama.running_on(self.grow_threads):
                     self._read_prompts(members)
-                finally:
-                    llama.use_threads(self.n_threads)
         finally:
             self.use_slot(back)
 

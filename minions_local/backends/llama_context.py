@@ -164,6 +164,17 @@ class LlamaContext:
             self.lib.llama_set_n_threads(self.ctx, threads, threads)
             self._threads = threads
 
+    @contextlib.contextmanager
+    def running_on(self, threads: int) -> Iterator[None]:
+        """The passes inside on `threads` threads (a grow or a batch's prompt reads,
+        while the target waits), then back to the count before."""
+        before = self._threads
+        self.use_threads(threads)
+        try:
+            yield
+        finally:
+            self.use_threads(before)
+
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> np.ndarray:
         """Run tokens (each at its position, in its sequence), n_batch per llama_decode,
         and return the logits of those marked in `outputs`, in order ([rows, vocab]).

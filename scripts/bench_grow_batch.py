@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Growing many requests' trees at once: one llama.cpp pass per tree level for all of
-them (GGUFMinion.grow_batch, contexts shared by the batch's requests) against each
-request's tree grown in turn on a context of its own (what a batch did before).
+"""Growing many requests' trees at once: one pass per tree level for all of them
+(grow_batch: llama.cpp decoding the requests' sequences in a context they share, or a
+transformers minion's compact forward running every request's rows over its own cache)
+against each request's tree grown in turn (what a batch did before). Reading the
+requests' prompts is measured the same way (prefill_batch against prefill in turn).
 
     python scripts/bench_grow_batch.py                    # cpu-demo-disk's substitute, 8 requests
     python scripts/bench_grow_batch.py --requests 16 --profile cpu-demo
+    python scripts/bench_grow_batch.py --profile stdlib-demo   # a transformers minion
 
 Workload: the benchmark's chat prompts, read once; then, for each tree shape (nodes,
 depth; greedy and drawn at T=0.7), `--reps` rounds of: every request's tree grown one
@@ -45,27 +48,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _minions(engine, requests: int, longest: int):
+    """(the minion growing one request after another, the one growing them together,
+    its kind): the profile's llama.cpp minion (two of them: the batch's shares contexts),
+    else its first transformers minion (itself twice: its slots are its own either way)."""
+    from minions_local.backends.gguf import GGUFMinion
+    from minions_local.backends.hf_minion import HFMinion
+
+    source = next((m for m in engine.minions if isinstance(m, GGUFMinion)), None)
+    if source is not None:
+        alone, shared = GGUFMinion(source.path, n_ctx=2048), GGUFMinion(source.path, n_ctx=2048)
+        shared.share_passes(requests, longest)
+        return alone, shared, "llama.cpp"
+    hf = next((m for m in engine.minions if isinstance(m, HFMinion) and m.shares_passes), None)
+    return (hf, hf, "transformers") if hf is not None else None
+
+
+def _reads(alone, shared, slots, prompts, reps: int) -> dict:
+    """Every prompt read in turn on fresh slots, against all of them in one prefill_batch."""
+    turns, batched = [], []
+    for _ in range(reps):
+        for slot in slots:
+            alone.drop_slot(slot)
+        start = time.perf_counter()
+        for slot, prompt in zip(slots, prompts):
+            alone.use_slot(slot)
+            alone.prefill(prompt)
+        turns.append(time.perf_counter() - start)
+        for slot in slots:  # (the same minion, for a transformers one)
+            shared.drop_slot(slot)
+        start = time.perf_counter()
+        shared.prefill_batch(list(zip(slots, prompts)))
+        batched.append(time.perf_counter() - start)
+    one, together = statistics.median(turns) * 1e3, statistics.median(batched) * 1e3
+    print(f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens) read: one after another {one:6.1f} ms, "
+          f"prefill_batch {together:6.1f} ms, x{one / together:.2f}", flush=True)
+    return {"one_after_another_ms": round(one, 1), "prefill_batch_ms": round(together, 1),
+            "ratio": round(one / together, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from minions_local.backends.gguf import GGUFMinion
-
     engine = Engine.from_profile(resolve_profile(args.profile, None))
-    source = next((m for m in engine.minions if isinstance(m, GGUFMinion)), None)
-    if source is None:
-        print(f"{args.profile} has no GGUF minion: nothing to measure", file=sys.stderr)
-        return 1
     prompts = [p.ids for p in chat_prompts(engine.tokenizer, args.requests)]
     prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
-    vocab, path = engine.decoder.target.vocab_size, source.path
-    del engine, source  # only the minion's file is measured
-    alone = GGUFMinion(path, n_ctx=2048)
-    shared = GGUFMinion(path, n_ctx=2048)
-    shared.share_passes(args.requests, max(map(len, prompts)) + 128)  # the prompts and a reply each
+    vocab = engine.decoder.target.vocab_size
+    picked = _minions(engine, args.requests, max(map(len, prompts)) + 128)  # the prompts and a reply each
+    if picked is None:
+        print(f"{args.profile} has no minion that grows a batch: nothing to measure", file=sys.stderr)
+        return 1
+    alone, shared, kind = picked
     slots = range(1, args.requests + 1)
-    for minion in (alone, shared):
-        for slot, prompt in zip(slots, prompts):
-            minion.use_slot(slot)
-            minion.prefill(prompt)
+    reads = _reads(alone, shared, slots, prompts, max(2, args.reps // 2))
 
     rows = []
     for nodes, depth in SHAPES:
@@ -98,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.requests} requests, {nodes:>2} nodes, depth {depth}, {'drawn' if drawn else 'greedy'}: "
                   f"one after another {one:6.1f} ms, grow_batch {together:6.1f} ms, x{one / together:.2f}",
                   flush=True)
-    alone.close()
-    shared.close()
-    print(json.dumps({"profile": args.profile, "requests": args.requests, "threads": shared.grow_threads,
-                      "shapes": rows}))
+    for minion in {id(alone): alone, id(shared): shared}.values():
+        getattr(minion, "close", lambda: None)()
+    print(json.dumps({"profile": args.profile, "minion": kind, "requests": args.requests,
+                      "threads": getattr(shared, "grow_threads", torch.get_num_threads()),
+                      "prompt_reads": reads, "shapes": rows}))
     return 0
 
 

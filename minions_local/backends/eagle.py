@@ -102,6 +102,8 @@ class FeatureMinion(HFMinion):
     """Grows trees like any Hugging Face minion (best-first, one tree-masked pass per
     level); only the passes differ: each node's input carries its parent's feature."""
 
+    shares_passes = False  # each pass pairs tokens with features: grow_batch goes request by request
+
     def __init__(self, runner: FeatureRunner, target, name: str) -> None:
         self.runner = runner
         self.model = runner.model

@@ -11,7 +11,7 @@ import pytest
 import minions_local
 from minions_local.backends.gguf_export import export_gguf
 from minions_local.core.protocols import GrowBudget
-from tests.helpers.slots import Request, alone, interleaved
+from tests.helpers.slots import Request, alone, batched, interleaved
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 pytestmark = pytest.mark.gguf
@@ -131,29 +131,6 @@ def test_slot_bytes_is_what_one_context_allocates(demo_gguf):
         m.close()
 
 
-def _batched(minion, requests: dict[int, Request]) -> dict[int, list]:
-    """The requests' steps as a batched step runs them, every grow in one grow_batch."""
-    from minions_local.core.protocols import AheadWindow
-    from tests.helpers.slots import accepted_tokens
-
-    contexts = {slot: list(r.prompt) for slot, r in requests.items()}
-    trees: dict[int, list] = {slot: [] for slot in requests}
-    for step in range(max(r.steps for r in requests.values())):
-        slots = [slot for slot, r in requests.items() if step < r.steps]
-        grown = minion.grow_batch([(slot, contexts[slot], requests[slot].budget) for slot in slots])
-        for slot, tree in zip(slots, grown):
-            trees[slot].append((list(tree.tokens), list(tree.parents), list(tree.logprobs)))
-            minion.use_slot(slot)
-            if requests[slot].ahead is not None:
-                minion.grow_ahead(requests[slot].ahead, AheadWindow())
-        for slot, tree in zip(slots, grown):
-            minion.use_slot(slot)
-            accepted = accepted_tokens(tree, step, requests[slot].prompt)
-            minion.commit(accepted)
-            contexts[slot] += accepted
-    return trees
-
-
 @pytest.mark.parametrize("per_context", [1, 3])
 def test_a_batched_grow_grows_what_each_request_grows_alone(demo_gguf, prompts, per_context):
     """Requests sharing a context (their sequence ids split between them) and its passes:
@@ -173,7 +150,7 @@ def test_a_batched_grow_grows_what_each_request_grows_alone(demo_gguf, prompts, 
     expected = {slot: alone(make, r) for slot, r in requests.items()}
     minion = make()
     assert minion.tree_runs == 256 // per_context - 1
-    got = _batched(minion, requests)
+    got = batched(minion, requests)
     assert len(minion._contexts) == 1 + 2 // per_context * (per_context == 1)
     assert minion.carries > 0
     for slot in requests:

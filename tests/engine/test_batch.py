@@ -33,10 +33,15 @@ def test_greedy_batch_replies_equal_replies_alone(families, dtype):
     for p in prompts:
         engine.reset()
         alone.append(engine.generate(p, max_new_tokens=30).token_ids)
+    minion_passes = []  # the transformers minion's compact passes, by requests sharing each
+    decoder = engine.decoder.minions[0].runner.decoder
+    forward_parts = decoder.forward_parts
+    decoder.forward_parts = lambda parts: minion_passes.append(len(parts)) or forward_parts(parts)
     batch = engine.generate_batch(prompts, max_new_tokens=30, parallel=4)
     assert [g.token_ids for g in batch] == alone
     shared = [s.batch_size for g in batch for s in g.steps]
     assert max(shared) == 4 and sum(s > 1 for s in shared) > len(shared) / 2  # passes really were shared
+    assert max(minion_passes) == 4  # the trees grew together (HFMinion.grow_batch)
     if dtype == "float32":  # and they are the target's own greedy replies
         target = AutoModelForCausalLM.from_pretrained(fam["target"]).eval()
         assert alone == [hf_greedy(target, p, 30) for p in prompts]
@@ -203,6 +208,8 @@ def test_the_minions_read_a_batch_prompt_only_once_it_gets_a_tree(families, monk
     close = engine.decoder.minions[0]
     monkeypatch.setattr(close, "prefill", lambda context, _orig=close.prefill: (reads.append(len(context)),
                                                                                _orig(context))[1])
+    monkeypatch.setattr(close, "prefill_batch", lambda requests, _orig=close.prefill_batch: (
+        reads.extend(len(context) for _, context in requests), _orig(requests))[1])
     engine.decoder.policy = _TreesFrom(start)
     batch = engine.generate_batch(prompts, max_new_tokens=12, parallel=3)
     assert [g.token_ids for g in batch] == alone

@@ -76,3 +76,25 @@ def interleaved(minion, requests: dict[int, Request]) -> dict[int, list[Tree]]:
             if next(running[slot], finished) is finished:
                 del running[slot]
     return trees
+
+
+def batched(minion, requests: dict[int, Request]) -> dict[int, list[Tree]]:
+    """The trees of each request as a batched step grows them: every step's grows in
+    one grow_batch (the shorter requests leaving early), then each request grows
+    ahead and commits on its slot."""
+    contexts = {slot: list(r.prompt) for slot, r in requests.items()}
+    trees: dict[int, list[Tree]] = {slot: [] for slot in requests}
+    for step in range(max(r.steps for r in requests.values())):
+        slots = [slot for slot, r in requests.items() if step < r.steps]
+        grown = minion.grow_batch([(slot, contexts[slot], requests[slot].budget) for slot in slots])
+        for slot, tree in zip(slots, grown):
+            trees[slot].append((list(tree.tokens), list(tree.parents), list(tree.logprobs)))
+            minion.use_slot(slot)
+            if requests[slot].ahead is not None:
+                minion.grow_ahead(requests[slot].ahead, AheadWindow())
+        for slot, tree in zip(slots, grown):
+            minion.use_slot(slot)
+            accepted = accepted_tokens(tree, step, requests[slot].prompt)
+            minion.commit(accepted)
+            contexts[slot] += accepted
+    return trees

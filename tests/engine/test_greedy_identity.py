@@ -118,6 +118,9 @@ def test_a_long_prompt_gets_its_first_token_from_the_target_alone(families, monk
     close = engine.decoder.minions[0]
     original = close.prefill
     monkeypatch.setattr(close, "prefill", lambda context: read.append(len(context)) or original(context))
+    together = close.prefill_batch  # (reads the target is not running beside)
+    monkeypatch.setattr(close, "prefill_batch", lambda requests: read.extend(len(c) for _, c in requests)
+                        or together(requests))
     prompt = random_prompts(4, 96, seed=3)
     prompt = [t for p in prompt for t in p] * 3
     assert len(prompt) >= 40

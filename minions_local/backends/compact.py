@@ -16,7 +16,6 @@ so decoding stays token-identical to the target run by transformers.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from minions_local.backends.hf import CachedModel
+from minions_local.backends.packing import TIED_HEAD_COPY, pack_weight, packed_linear, packing_is_exact
 
 
 @dataclass(eq=False)
@@ -399,46 +399,6 @@ def supports(model) -> bool:
     if any(m is None or not hasattr(m, "weight") for m in needed):
         return False
     return all(m.bias is None for m in needed[3:])
-
-
-TIED_HEAD_COPY = 64 << 20
-"""Bytes up to which a tied lm_head gets a packed copy of its own (a 128k-token
-vocabulary's head is hundreds of MB: it stays shared with the embedding)."""
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def packing_is_exact(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prepacked oneDNN matmuls give bit-identical results to F.linear here.
-
-    Checked once per dtype on this build: true for bf16 on x86 CPUs (both paths are
-    oneDNN), false for fp32 (F.linear uses MKL there). Only exact packing is used, so
-    a packed target still decodes token-identically to transformers."""
-    return device.type == "cpu" and _packed_matches(dtype)
-
-
-@functools.cache
-def _packed_matches(dtype: torch.dtype) -> bool:
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        g = torch.Generator().manual_seed(0)
-        weight = torch.randn(96, 64, generator=g).to(dtype)
-        bias = torch.randn(96, generator=g).to(dtype)
-        packed = pack_weight(weight)
-        for rows in (1, 3, 17):
-            x = torch.randn(1, rows, 64, generator=g).to(dtype)
-            if not torch.equal(F.linear(x, weight, bias), packed_linear(x, packed, bias)):
-                return False
-        return True
-    except (RuntimeError, AttributeError):  # a build without these oneDNN ops
-        return False
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

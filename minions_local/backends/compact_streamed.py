@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from minions_local.offload.binding import layer_store, layer_weights
-from minions_local.backends.compact import CompactDecoder, fused_layer, packing_is_exact
+from minions_local.backends.compact import CompactDecoder, fused_layer
+from minions_local.backends.packing import packing_is_exact
 
 
 class StreamedCompactDecoder(CompactDecoder):

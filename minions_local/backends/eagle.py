@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minions_local.backends.compact import CompactDecoder, CompactModel, pack_weight
+from minions_local.backends.compact import CompactDecoder, CompactModel
+from minions_local.backends.packing import pack_weight
 from minions_local.backends.hf import CachedModel
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.core.protocols import CandidateTree, common_prefix_len

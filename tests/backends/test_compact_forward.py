@@ -46,7 +46,7 @@ def test_qwen2_bias_and_fallbacks():
 # -- the resident target on the compact forward -------------------------------------------
 
 from minions_local.backends import hf_target  # noqa: E402
-from minions_local.backends.compact import packing_is_exact  # noqa: E402
+from minions_local.backends.packing import packing_is_exact  # noqa: E402
 from minions_local.backends.hf_target import CompactTarget, HFTarget, exact_target  # noqa: E402
 
 

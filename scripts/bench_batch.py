@@ -15,6 +15,8 @@ at every concurrency (their order rotated round by round):
 - batched-no-trees: the same shared passes with no minions (plain batched decoding);
 - the peers in benchmarks/batch_peers.py where they are installed (--no-peers skips);
 - the physical bound on the disk tier: tokens per pass x raw read speed / bytes per pass.
+A single request decoded without trees (our autoregressive) runs again beside every
+concurrency's runs: the 16-request goal's reference is all of those runs together.
 Reports aggregate tok/s, each request's own speed (median, p10: its tokens over the
 time its reply streamed) and time to first token (queueing included), ratios to
 one-at-a-time at the same concurrency, the issue's goal lines, a PNG of aggregate tok/s
@@ -104,6 +106,7 @@ def _run(args, levels: list[int], max_new: int, modes: list[str], notes: list[st
     raw = [raw_read_gbps(packs, readers)] if packs else []
 
     results: dict[tuple[str, int, str], object] = {}
+    lone_runs = []  # single-request autoregressive runs: the 16-request goal's reference
     for level in levels:
         batch = [prompts[i % len(prompts)].ids for i in range(level)]
         for r, mode in enumerate(modes):
@@ -118,13 +121,19 @@ def _run(args, levels: list[int], max_new: int, modes: list[str], notes: list[st
                 results[(m.name, level, mode)] = out
                 log(f"N={level:<2} {mode:<7} {m.name:<22} {out.aggregate_tokens_per_second:7.2f} tok/s "
                     f"({out.tokens} tokens in {out.wall:.1f} s)")
+                if m.name == "batched-no-trees" and level == 1:
+                    lone_runs.append(out)
+            if level > 1:  # the autoregressive reference again, beside this concurrency's runs
+                out = methods[2].run(batch[:1], max_new, temperature, seed=level * 100 + r)
+                lone_runs.append(out)
+                log(f"N={level:<2} {mode:<7} {'(one request, no trees)':<22} {out.aggregate_tokens_per_second:7.2f} tok/s")
     if packs:
         raw.append(raw_read_gbps(packs, readers))
     raw_gbps = max(raw) if raw else None
     for m in methods:  # the peers' llama.cpp children and their memory groups
         if hasattr(m, "close"):
             m.close()
-    report = _report(results, methods, levels, modes, raw_gbps, notes)
+    report = _report(results, methods, levels, modes, raw_gbps, notes, lone_runs)
     plot = _plot(args.out, results, methods, levels, modes, profile, max_new)
     print(f"plot: {plot}")
     for note in notes:
@@ -150,7 +159,7 @@ def _peers(engine: Engine, profile: str, max_new: int, most: int, notes: list[st
     return peer_methods(engine, profile=profile, max_new=max_new, most=most, notes=notes, workdir=workdir)
 
 
-def _report(results, methods, levels, modes, raw_gbps, notes) -> dict:
+def _report(results, methods, levels, modes, raw_gbps, notes, lone_runs) -> dict:
     # The same model in the same math as ours (the llama.cpp peers run the Q4_1 file: another model).
     comparable = {"one-at-a-time", "batched", "batched-no-trees", "transformers batch"}
     table = {}
@@ -180,14 +189,17 @@ def _report(results, methods, levels, modes, raw_gbps, notes) -> dict:
                 print(f"{level:>3} {mode:<8} {m.name:<24} {row['aggregate_tok_s']:>9} {ratio:>8.2f} "
                       f"{per['median_tok_s']:>13.2f} {per['p10_tok_s']:>6.2f} {per['median_ttft_s']:>10.2f} "
                       f"{row['tokens_per_pass'] or '':>8} {'' if same is None else f'{same}/{level}':>7}")
-    goals = _goals(results, levels, modes)
+    goals = _goals(results, levels, modes, lone_runs)
     for key, check in goals.items():
         state = {True: "PASS", False: "FAIL", None: "n/a"}[check["passed"]]
         print(f"goal {key}: {check['value']} (goal {check['goal']}) {state}")
-    return {"results": table, "goals": goals}
+    lone = [round(r.aggregate_tokens_per_second, 2) for r in lone_runs]
+    if lone:
+        print(f"one request, no trees, every run (the autoregressive reference): {lone} tok/s")
+    return {"results": table, "goals": goals, "autoregressive_alone_tok_s": lone}
 
 
-def _goals(results, levels, modes) -> dict:
+def _goals(results, levels, modes, lone_runs=()) -> dict:
     def agg(name, level):
         runs = [results[(name, level, mode)] for mode in modes if (name, level, mode) in results]
         return sum(r.tokens for r in runs) / sum(r.wall for r in runs) if runs else None
@@ -201,8 +213,11 @@ def _goals(results, levels, modes) -> dict:
     if 1 in levels:
         alone = agg("batched", 1) / agg("one-at-a-time", 1)
         goals["lone_request_vs_today"] = {"value": round(alone, 3), "goal": 0.95, "passed": alone >= 0.95}
-    if 16 in levels and 1 in levels:
-        value = agg("batched", 16) / agg("batched-no-trees", 1)
+    if 16 in levels and lone_runs:
+        # Against every single-request autoregressive run of the benchmark (one at N=1,
+        # one beside each concurrency's runs, per mode): on a shared VM one 64-token
+        # run swung from 3.8 to 5.1 tok/s between runs, enough to move this ratio by 30%.
+        value = agg("batched", 16) / (sum(r.tokens for r in lone_runs) / sum(r.wall for r in lone_runs))
         goals["batched_16_vs_single_autoregressive"] = {"value": round(value, 3), "goal": 8.0, "passed": value >= 8}
     if 4 in levels and 1 in levels:
         med = [results[("batched", 4, m)].per_request()["median_tok_s"] / results[("batched", 1, m)].per_request()[

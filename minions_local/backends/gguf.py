@@ -215,6 +215,11 @@ class GGUFMinion(SlotStates):
             self.use_slot(back)
         return trees
 
+    @property
+    def requests_per_pass(self) -> int:
+        """Requests whose trees one grow_batch pass grows: those of one shared context."""
+        return self.shared_requests
+
     SHARED_MOST = 8
     """Most requests in one context: each runs at most 256 // 8 - 1 = 31 tree nodes per
     grow (ample for trees shared 8 ways; more requests go to a second context)."""

@@ -114,6 +114,11 @@ class HFMinion:
             growing.expand(self._run_nodes(growing.tree, growing.batch, anc, depths, growing.base_pos))
         return growing.done()
 
+    @property
+    def requests_per_pass(self) -> int:
+        """Requests whose trees one grow_batch pass grows: all of them (compact forward)."""
+        return 1 << 16 if self.shares_passes and isinstance(self.runner, CompactModel) else 1
+
     def grow_batch(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> list[CandidateTree]:
         """Grow several requests' trees, given as (slot, context, budget): their roots
         in one pass of the compact forward (each on its own slot's cache), then one

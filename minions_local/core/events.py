@@ -36,6 +36,11 @@ class StepRecord:
     """Seconds each minion that ran spent in grow() this step."""
     minion_nodes: dict[str, int] = field(default_factory=dict)
     """Draft nodes each minion that ran was allowed (its share, when sampling)."""
+    minion_shared: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)
+    """Per minion that grew this request's tree in passes shared with other requests'
+    (grow_batch): (requests, draft nodes allowed them all, passes, seconds) of the whole
+    shared grow, the same in each of their records; minion_t_grow holds this request's
+    equal share of it."""
     predicted_t_verify: float | None = None
     """The cost model's prediction for t_verify, when a cost model chose the budget."""
     predicted_t_grow: float | None = None

@@ -159,6 +159,10 @@ class Minion(Protocol):
     # prefill/grow/commit/reset act on, and `drop_slot(slot)` frees a finished
     # request's. Every minion here has them (core/slots.py); one without them still
     # serves several requests, re-reading a context after each switch.
+    # `grow_batch([(slot, context, budget), ...])` grows several requests' trees together,
+    # and `requests_per_pass` says how many of them one of its passes holds (a pass per
+    # tree level for each group of that many; 1: request by request): the cost model
+    # prices such a pass once for all of them (speculation/row_budget.py).
 
 
 @dataclass(slots=True)
@@ -244,6 +248,8 @@ class Target(Protocol):
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share: what a cache can keep."""
     n = min(len(a), len(b))
+    if isinstance(a, list) and isinstance(b, list) and a[:n] == b[:n]:
+        return n  # the usual case (a context that extends the cached one), compared in C
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

@@ -35,7 +35,7 @@ from statistics import median
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
-from minions_local.speculation.row_budget import TreeCurve, split_rows
+from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, split_rows
 
 
 @dataclass
@@ -76,6 +76,9 @@ class CostModelBudget:
     _last: StepBudget | None = field(default=None, repr=False)
     _idle: int = 0
     """Steps in a row at zero nodes (see probe_every)."""
+    grow_groups: dict = field(default_factory=dict)
+    """Per minion that grows a batch's trees in shared passes: requests one pass holds
+    (share_growing)."""
     rates: dict = field(default_factory=dict)
     """Calibrated acceptance per regime (budget.REGIMES): a rate, or one per depth."""
     decays: dict = field(default_factory=dict)
@@ -155,33 +158,62 @@ class CostModelBudget:
         amortize, so sharing never makes a bigger tree pay than alone (and a request
         whose trees do not pay alone decodes without one). A tree's grow time carries
         the request's unread prompt (`read_share`: seconds per token it will commit),
-        times the tokens a step with that tree commits."""
+        times the tokens a step with that tree commits. Minions that grow the requests'
+        trees in shared passes (`share_growing`) are priced once a level for all."""
         curves, depth_tables, growing = [], [], []
         for cap, regime, read_share in mix:
             alone = self._alone(cap, regime) if cap else None
             if alone is None or alone.nodes == 0:
-                curves.append(TreeCurve((0.0,), (0.0,)))
+                curves.append(TreeCurve((0.0,), (0.0,), (0,)))
                 depth_tables.append((0,))
                 growing.append((0.0,))
                 continue
             gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), alone.nodes, alone.depth,
                                                   self.top_k, self.decays[regime])
-            expected = self._expected_model(regime)
-            grow = [0.0] + [expected.t_grow(n, depths[n]) for n in range(1, len(gains))]
+            own_model = self._expected_model(regime, shared=False)
+            grow = [0.0] + [own_model.t_grow(n, depths[n]) for n in range(1, len(gains))]
             priced = [0.0] + [grow[n] + read_share * (1 + gains[n]) for n in range(1, len(gains))]
-            curves.append(TreeCurve(gains, priced))
+            curves.append(TreeCurve(gains, priced, depths))
             depth_tables.append(depths)
             growing.append(grow)  # what the step record predicts: the read is not growing
         requests = len(mix)
-        nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests))
+        shared = self._shared_growing(tuple(regime for _, regime, _ in mix))
+        nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests), shared)
         t_verify = self.model.t_verify(sum(nodes) + requests - 1, requests)
+        growers = sum(n > 0 for n in nodes)
+        share = shared(max(d[n] for d, n in zip(depth_tables, nodes)), growers, sum(nodes)) / growers \
+            if shared is not None and growers else 0.0
         budgets = []
         for (cap, _, _), n, grow, depths in zip(mix, nodes, growing, depth_tables):
             depth = depths[n] if n else 0
             budgets.append(StepBudget(nodes=n, depth=depth, width=grow_shape(n, depth)[1] if n else 1,
-                                      depth_cap=cap, predicted_t_verify=t_verify, predicted_t_grow=grow[n],
-                                      grow_overhead=self.model.step_overhead, grow_models=self.model.grow))
+                                      depth_cap=cap, predicted_t_verify=t_verify,
+                                      predicted_t_grow=grow[n] + (share if n else 0.0),
+                                      grow_overhead=self.model.step_overhead,
+                                      grow_models=() if shared is not None else self.model.grow))
         return budgets
+
+    def share_growing(self, groups: dict[str, int]) -> None:
+        """Minions that grow several requests' trees in one pass per tree level, and how
+        many requests one pass holds (Decoder.expect_requests says so when a batch
+        starts; a minion not named grows request by request)."""
+        groups = {name: n for name, n in groups.items() if n > 1}
+        if groups != self.grow_groups:
+            self.grow_groups = groups
+            self._chosen.clear()
+
+    def _shared_growing(self, regimes: tuple[str, ...]) -> SharedGrowing | None:
+        """The shared-pass minions' price, each weighted by how often it runs (the
+        mix's regimes averaged)."""
+        shared = [g for g in self.model.grow if g.name in self.grow_groups]
+        if not shared:
+            return None
+        base = per_node = 0.0
+        for regime in regimes:
+            runs = self._participation.get(regime, {})
+            base += sum(g.base * runs.get(g.name, 1.0) for g in shared) / len(regimes)
+            per_node += sum(g.per_token * runs.get(g.name, 1.0) for g in shared) / len(regimes)
+        return SharedGrowing(base, per_node, min(self.grow_groups[g.name] for g in shared))
 
     def _alone(self, depth_cap: int, regime: str) -> StepBudget:
         """The best tree for one request by itself, cached as `choose` caches it (the
@@ -201,12 +233,14 @@ class CostModelBudget:
                           predicted_t_verify=c.t_verify, predicted_t_grow=c.t_grow,
                           grow_overhead=self.model.step_overhead, grow_models=self.model.grow)
 
-    def _expected_model(self, regime: str = "greedy") -> CostModel:
+    def _expected_model(self, regime: str = "greedy", shared: bool = True) -> CostModel:
         """The model with each minion's grow time weighted by how often it runs (in this
-        regime: the selector learns each one apart)."""
+        regime: the selector learns each one apart); shared=False leaves out the minions
+        that grow a batch's trees in shared passes (they are priced apart)."""
         runs = self._participation.get(regime, {})
         grow = tuple(replace(g, base=g.base * p, per_token=g.per_token * p)
-                     for g in self.model.grow for p in [runs.get(g.name, 1.0)])
+                     for g in self.model.grow for p in [runs.get(g.name, 1.0)]
+                     if shared or g.name not in self.grow_groups)
         return replace(self.model, grow=grow)
 
     def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],
@@ -294,10 +328,20 @@ def pass_nodes(record: StepRecord) -> int:
 
 def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[tuple[int, float]]]:
     """Per minion, (width, seconds per pass): the time it spent growing over the passes
-    its nodes asked for (one per level of depth)."""
+    its nodes asked for (one per level of depth). A grow shared by several requests
+    (StepRecord.minion_shared) is one sample of its whole passes, however many of its
+    requests' records hold it."""
     out: dict[str, list[tuple[int, float]]] = {}
+    seen = set()
     for record, budget in grown:
         for name, seconds in record.minion_t_grow.items():
+            together = record.minion_shared.get(name)
+            if together is not None:
+                if (name, together) not in seen:
+                    seen.add((name, together))
+                    _, nodes, passes, total = together
+                    out.setdefault(name, []).append((max(1, -(-nodes // passes)), total / passes))
+                continue
             passes, width = grow_shape(record.minion_nodes.get(name, budget.nodes), budget.depth)
             out.setdefault(name, []).append((width, seconds / passes))
     return out

@@ -183,11 +183,23 @@ class Decoder:
     """Reads shorter than this say little about a read's cost per token (a minion's
     fixed cost per pass dominates them)."""
 
+    CATCH_UP = 2
+    """Tokens committed without a tree from which the minions read them before their
+    next tree, as a prompt is read (timed and priced as a read: _unread_seconds),
+    rather than in the first pass of growing it. A tree's first pass reads the last
+    step's bonus token anyway; a backlog beyond that made a tree after a stretch of
+    plain decoding look dear to the cost model fitting grow passes, so trees stayed
+    rare (8 requests, cpu-demo-disk, AVX-512 EPYC: shared grow passes of 1-node
+    trees fitted at 13-21 ms, against 16 ms for all 8 with nothing to catch up)."""
+
     def _unread_seconds(self, lane: Lane, context: list[int]) -> float:
         """What reading the context the minions have not seen would cost now."""
-        if lane.prompt_unread != "until a tree" or self.read_seconds_per_token is None:
+        if self.read_seconds_per_token is None or lane.prompt_unread not in (None, "until a tree"):
             return 0.0
-        return lane.unread(context) * self.read_seconds_per_token
+        unread = lane.unread(context)
+        if lane.prompt_unread is None and unread < self.CATCH_UP:
+            return 0.0
+        return unread * self.read_seconds_per_token
 
     def use_slot(self, slot: int) -> None:
         """Point the target and every minion at `slot`'s state."""
@@ -212,6 +224,9 @@ class Decoder:
             share = getattr(m, "share_passes", None)
             if share is not None:
                 share(count, tokens)
+        priced = getattr(self.policy, "share_growing", None)
+        if priced is not None:
+            priced({m.name: getattr(m, "requests_per_pass", 1) for m in self.minions if hasattr(m, "grow_batch")})
 
     def release(self, slot: int) -> None:
         """Free everything a finished request held (slot 0, the conversation, is
@@ -313,11 +328,14 @@ class Decoder:
     def _reads_due(self, requests: Sequence[StepRequest],
                    budgets: list[StepBudget]) -> list[tuple[int, Lane, list[int]]]:
         """The prompts the minions read before this step's growing: deferred past a
-        long prompt's first step, or until a batch request's first tree."""
+        long prompt's first step, or until a batch request's first tree; and the
+        tokens committed since their last tree, when there are CATCH_UP of them."""
         due = []
         for r, b in zip(requests, budgets):
             lane = self.lanes.setdefault(r.slot, Lane())
-            if lane.prompt_unread == "read now" or (lane.prompt_unread == "until a tree" and b.nodes > 0):
+            if lane.prompt_unread == "read now" or (b.nodes > 0 and (
+                    lane.prompt_unread == "until a tree" or
+                    (lane.prompt_unread is None and lane.unread(r.context) >= self.CATCH_UP))):
                 due.append((r.slot, lane, r.context))
         return due
 
@@ -387,7 +405,8 @@ class Decoder:
             self._minions_use(r.slot)
             for m in self.minions:
                 m.commit(tokens)
-            self.lanes[r.slot].minions_saw = r.context + tokens
+            if growth.run_order:  # (after a step without a tree they still have its tokens to read)
+                self.lanes[r.slot].minions_saw = r.context + tokens
             # The pass is shared: each request pays its own growing and its share of it.
             step_seconds = plan.t_grow + t_verify / requests
             contributed = selector.observe(tree, path, growth.proposals, growth.seconds, step_seconds, len(tokens))
@@ -399,12 +418,24 @@ class Decoder:
             minion_weights=self._of_those_that_ran(growth, plan.weights),
             minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
             predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
+            minion_shared={self.minions[m].name: s for m, s in growth.shared.items()},
             predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=t_policy,
-            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= r.remaining - 1), ahead_nodes=ahead_nodes,
+            rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= r.remaining - 1)
+            if self._priced_tree(growth) else [], ahead_nodes=ahead_nodes,
             grow_depth=budget.depth, batch_size=requests, pass_rows=rows,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
+
+    def _priced_tree(self, growth: Growth) -> bool:
+        """Whether the tree says how a budget's trees fare: one that only free minions
+        (n-gram) grew, because the selector deferred the rest, does not (the policy
+        fits acceptance to the trees its budget pays for). At 16 requests on
+        cpu-demo-disk a first step of n-gram-only trees, all rejected, held the fitted
+        rate at 0.5 where the substitute's trees were accepted at 0.97 at depth 1."""
+        if all(m.depth_is_free for m in self.minions):
+            return True
+        return any(not self.minions[m].depth_is_free for m in growth.run_order)
 
     def _grow_ahead(self, growth: Growth, budget: StepBudget) -> GrowingAhead | None:
         """Start the minions that grew and can grow ahead on it while the target verifies."""

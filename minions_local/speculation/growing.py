@@ -26,7 +26,7 @@ import torch
 
 from minions_local.core.protocols import CandidateTree, GrowBudget, Minion
 from minions_local.core.sampling import SamplingParams
-from minions_local.speculation.budget import StepBudget, width_for
+from minions_local.speculation.budget import StepBudget, grow_shape, width_for
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import source_shares
 
@@ -44,6 +44,9 @@ class Growth:
     """The draft nodes each minion was allowed (its share, when sampling)."""
     run_order: list[int] = field(default_factory=list)
     """The minions that grew, in the order they grew in."""
+    shared: dict[int, tuple[int, int, int, float]] = field(default_factory=dict)
+    """Per minion that grew this request's tree together with other requests' (see
+    StepRecord.minion_shared): the whole shared grow."""
 
     @classmethod
     def empty(cls, minions: int) -> Growth:
@@ -79,9 +82,12 @@ class GrowJob:
                 return m
         return None
 
-    def grew(self, m: int, proposal: CandidateTree, seconds: float) -> None:
+    def grew(self, m: int, proposal: CandidateTree, seconds: float,
+             shared: tuple[int, int, int, float] | None = None) -> None:
         self.growth.proposals[m] = proposal
         self.growth.seconds[m] = seconds
+        if shared is not None:
+            self.growth.shared[m] = shared
         self.growth.run_order.append(m)
         self._expected = max(self._expected, self.selector.expected(m, proposal))
 
@@ -162,9 +168,10 @@ def _grow_round(minions: Sequence[Minion], asked: dict[int, list[GrowJob]]) -> N
         if batch is not None and len(jobs) > 1:
             start = time.perf_counter()
             trees = batch([(job.slot, job.context, job.budgets[m]) for job in jobs])
-            share = (time.perf_counter() - start) / len(jobs)
+            seconds = time.perf_counter() - start
+            shared = shared_grow(minion, [job.budgets[m] for job in jobs], seconds)
             for job, tree in zip(jobs, trees):
-                job.grew(m, tree, share)
+                job.grew(m, tree, seconds / len(jobs), shared)
             continue
         for job in jobs:
             use = getattr(minion, "use_slot", None)
@@ -173,3 +180,13 @@ def _grow_round(minions: Sequence[Minion], asked: dict[int, list[GrowJob]]) -> N
             start = time.perf_counter()
             tree = minion.grow(job.context, job.budgets[m])
             job.grew(m, tree, time.perf_counter() - start)
+
+
+def shared_grow(minion: Minion, budgets: Sequence[GrowBudget], seconds: float) -> tuple[int, int, int, float]:
+    """(requests, nodes allowed, passes, seconds) of one grow_batch: a pass per tree
+    level of the deepest tree, for each group of `requests_per_pass` requests (what the
+    cost model fits a shared pass's price to: cost_policy.grow_samples)."""
+    levels = max((grow_shape(b.max_nodes, b.max_depth)[0] for b in budgets if b.max_nodes > 0 and b.max_depth > 0),
+                 default=1)
+    groups = -(-len(budgets) // max(1, getattr(minion, "requests_per_pass", len(budgets))))
+    return len(budgets), sum(b.max_nodes for b in budgets), levels * groups, seconds

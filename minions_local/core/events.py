@@ -65,6 +65,9 @@ class StepRecord:
     pass_rows: int = 0
     """Rows the target's pass ran: every sharing request's tree, roots included
     (0: not recorded; one request's pass runs tree_size + 1)."""
+    t_read: float = 0.0
+    """Seconds the minions spent reading a prompt before this step's growing (a shared
+    step's whole reads; reading what was decoded without a tree counts as growing)."""
     t_step: float | None = None
     """Wall seconds of the whole step when requests shared it (every request's growing
     and the shared pass): what the step cost this request in time. None: t_grow + t_verify."""

@@ -35,6 +35,7 @@ from statistics import median
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
+from minions_local.speculation.realized import RealizedRates
 from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, split_rows
 
 
@@ -61,7 +62,13 @@ class CostModelBudget:
     _seen: int = 0
     """Target passes observed (a shared pass's records count as one between them)."""
     _pass_records: int = 0
-    """Records of the pass now being observed that have arrived so far."""
+    """Records of the pass now being observed that have arrived so far ..."""
+    _pass_tokens: int = 0
+    """... the tokens they committed ..."""
+    _pass_trees: bool = False
+    """... and whether any of them verified a tree."""
+    realized: RealizedRates = field(default_factory=RealizedRates)
+    """What shared passes realized with trees and without, per batch size."""
     _passes: deque = field(default_factory=deque, repr=False)
     """Recent passes' (draft nodes priced, seconds, requests sharing it): one sample per
     target pass."""
@@ -126,7 +133,11 @@ class CostModelBudget:
         if mix not in self._chosen:
             self._chosen[mix] = self._split(mix)
         budgets = self._chosen[mix]
-        if not any(b.nodes for b in budgets) and any(cap for cap, _, _ in mix):
+        if any(b.nodes for b in budgets):
+            self._idle = 0
+            if not self.realized.allows_trees(len(mix)):  # trees lose on the clock (realized.py)
+                budgets = [self._plain(len(mix))] * len(mix)
+        elif any(cap for cap, _, _ in mix):
             self._idle += 1
             if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see choose)
                 self._idle = 0
@@ -139,12 +150,15 @@ class CostModelBudget:
                 budgets = list(budgets)
                 for i in picks:
                     budgets[i] = self._probe(mix[i][0], mix[i][1])
-        else:
-            self._idle = 0
         out: list[StepBudget] = [budgets[0]] * len(keys)
         for i, budget in zip(order, budgets):
             out[i] = budget
         return out
+
+    def _plain(self, requests: int) -> StepBudget:
+        """No tree, in a pass `requests` requests share."""
+        return StepBudget(nodes=0, depth=0, width=1, predicted_t_verify=self.model.t_verify(requests - 1, requests),
+                          predicted_t_grow=0.0)
 
     def _probe(self, depth_cap: int, regime: str) -> StepBudget:
         key = (depth_cap, regime, "probe")
@@ -277,9 +291,14 @@ class CostModelBudget:
         # dropping the cached split (76 ms of Python in a 430 ms pass, with the lone
         # trees searched anew), and let 4 passes fill the whole verify window.
         self._pass_records += 1
+        self._pass_tokens += record.new_tokens
+        self._pass_trees |= record.tree_size > 0
         if self._pass_records < max(1, record.batch_size):
             return
-        self._pass_records = 0
+        if record.t_step is not None and record.t_read == 0:
+            self.realized.add(record.batch_size, self._pass_trees, self._pass_tokens, record.t_step)
+        self._pass_records = self._pass_tokens = 0
+        self._pass_trees = False
         self._passes.append((pass_nodes(record), record.t_verify, max(1, record.batch_size)))
         self._seen += 1
         if self._seen % self.refit_every == 0 or self._surprised:

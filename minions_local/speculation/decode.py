@@ -65,6 +65,20 @@ class _Plan:
     t_grow: float
 
 
+@dataclass(frozen=True)
+class _SharedPass:
+    """What a step's requests share: the target's pass, the policy's and the reads' time."""
+
+    t_verify: float
+    streamed: int
+    rows: int
+    requests: int
+    t_policy: float
+    t_read: float
+    t_step: float | None
+    """The whole step's wall time, when requests or prompt chunks shared it."""
+
+
 class Decoder:
     """Speculative steps for one target and its minions: the budget policy sizes each
     step's tree, and a minion selector per regime learns who grows and how each votes.
@@ -283,12 +297,20 @@ class Decoder:
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
-        self._minions_read(self._reads_due(requests, budgets))
+        due = self._reads_due(requests, budgets)
+        prompts = [read for read in due if read[1].prompt_unread is not None]
+        backlog = [read for read in due if read[1].prompt_unread is None]
+        t_read = self._timed(self._minions_read, prompts)
+        t_catch_up = self._timed(self._minions_read, backlog)
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
         grow_all(self.minions, [job for job, _ in jobs])
         plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
+        caught_up = {slot for slot, _, _ in backlog}
         for plan in plans:
-            plan.t_grow += t_policy / len(plans)
+            # A backlog read belongs to the tree it was read for: the step's growing
+            # (not any minion's own, which the grow model is fitted to).
+            plan.t_grow += t_policy / len(plans) + (t_catch_up / len(caught_up) if plan.request.slot in caught_up
+                                                    else 0.0)
         t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
         outcomes = self._verify(plans, chunks)
@@ -296,12 +318,19 @@ class Decoder:
         self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
         streamed = self.target.bytes_streamed() - streamed_before
         rows = sum(len(p.tree) for p in plans) + sum(len(c.tokens) for c in chunks)
-        results = [self._learn(plan, path, bonus, ahead_nodes, t2 - t1, streamed, rows, len(plans), t_policy)
-                   for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
-        if len(plans) > 1 or chunks:
-            for r in results:
-                r.record.t_step = t2 - t0
-        return results
+        shared = _SharedPass(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
+                             t2 - t0 if len(plans) > 1 or chunks else None)
+        return [self._learn(plan, path, bonus, ahead_nodes, shared) for plan, (path, bonus, ahead_nodes) in
+                zip(plans, outcomes)]
+
+    @staticmethod
+    def _timed(read, reads: list) -> float:
+        """Seconds `read(reads)` took (0.0 when there is nothing to read)."""
+        if not reads:
+            return 0.0
+        start = time.perf_counter()
+        read(reads)
+        return time.perf_counter() - start
 
     def _budgets(self, requests: Sequence[StepRequest]) -> list[StepBudget]:
         """Each request's tree size: the policy's choice for one request; for several,
@@ -393,10 +422,10 @@ class Decoder:
         outcomes[0][2] = ahead_nodes
         return [tuple(o) for o in outcomes]
 
-    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, t_verify: float, streamed: int,
-               rows: int, requests: int, t_policy: float) -> StepResult:
+    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, shared: _SharedPass) -> StepResult:
         """Commit one request's tokens to its minions, and learn from its step."""
         r, tree, growth, budget = plan.request, plan.tree, plan.growth, plan.budget
+        t_verify, requests = shared.t_verify, shared.requests
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         selector = self.selector(r.regime)
         if plan.alone:  # the minions have not read the prompt: nothing to commit, nothing to learn
@@ -413,16 +442,17 @@ class Decoder:
         grown = self._of_those_that_ran(growth, growth.allowed)
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=plan.t_grow, t_verify=t_verify,
-            bytes_streamed=streamed, depth=tree.depth, new_tokens=len(tokens),
+            bytes_streamed=shared.streamed, depth=tree.depth, new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
             minion_weights=self._of_those_that_ran(growth, plan.weights),
             minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
             predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
             minion_shared={self.minions[m].name: s for m, s in growth.shared.items()},
-            predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=t_policy,
+            predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=shared.t_policy,
             rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= r.remaining - 1)
             if self._priced_tree(growth) else [], ahead_nodes=ahead_nodes,
-            grow_depth=budget.depth, batch_size=requests, pass_rows=rows,
+            grow_depth=budget.depth, batch_size=requests, pass_rows=shared.rows, t_read=shared.t_read,
+            t_step=shared.t_step,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)

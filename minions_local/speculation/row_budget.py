@@ -90,8 +90,9 @@ def _single_moves(curves: Sequence[TreeCurve], nodes: list[int]) -> list[list[in
 
 
 def _joint_moves(curves: Sequence[TreeCurve], nodes: list[int], shared: SharedGrowing | None) -> list[list[int]]:
-    """With shared growing, every request's tree larger or smaller by the same step: a
-    shared pass's fixed cost pays only once several requests grow, so from no trees no
+    """With shared growing, every request's tree (or every growing one's) larger or
+    smaller by the same step: a shared pass's fixed cost pays only once several
+    requests grow, and a level only once it is deeper for all, so from no trees no
     single request's first tree is worth it (8 requests, 1-node trees: any one of them
     127.3 against 127.6 tok/s without, all of them 175)."""
     if shared is None:
@@ -100,9 +101,11 @@ def _joint_moves(curves: Sequence[TreeCurve], nodes: list[int], shared: SharedGr
     out = []
     for step in _moves(most, 2 * most):
         step -= most
-        trial = [min(max(n + step, 0), c.max_nodes) for c, n in zip(curves, nodes)]
-        if trial != nodes:
-            out.append(trial)
+        for growers_only in (False, True):
+            trial = [n if growers_only and not n else min(max(n + step, 0), c.max_nodes)
+                     for c, n in zip(curves, nodes)]
+            if trial != nodes and trial not in out:
+                out.append(trial)
     return out
 
 

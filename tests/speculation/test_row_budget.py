@@ -7,7 +7,7 @@ import itertools
 
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
 from minions_local.speculation.cost_policy import CostModelBudget
-from minions_local.speculation.row_budget import TreeCurve, split_rows
+from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, split_rows
 
 
 def _curve(rate: float, max_nodes: int, pass_s: float) -> TreeCurve:
@@ -80,3 +80,62 @@ def test_a_pending_prompt_read_is_priced_into_a_requests_trees():
     picks = [policy.choose_shared(read) for _ in range(4)]
     assert all(b.nodes == 0 for step in picks[:3] for b in step)
     assert [b.nodes > 0 for b in picks[3]] == [True, False, True]  # probes cost them growing only
+
+
+def _levels_curve(rate: float, max_nodes: int) -> TreeCurve:
+    """A chain priced only by a shared-pass minion: no growing of its own."""
+    gains = [0.0]
+    for n in range(1, max_nodes + 1):
+        gains.append(gains[-1] + rate ** n)
+    return TreeCurve(gains, [0.0] * (max_nodes + 1), list(range(max_nodes + 1)))
+
+
+def test_a_shared_pass_minion_pays_its_fixed_cost_once_a_level_for_all_requests():
+    """8 requests whose trees one pass grows: from no trees, no single request's first
+    tree pays the pass's fixed cost, but all eight together do; priced as 8 lone
+    grows, none would."""
+    verify = VerifyTime(flat=0.0627, base=0.009, slope=0.00034)
+    shared = SharedGrowing(base=0.0048, per_node=0.0024, group=8)
+    curves = [_levels_curve(0.9, 8)] * 8
+    nodes = split_rows(curves, verify, shared)
+    assert all(n > 0 for n in nodes)
+    assert shared(3, 8, 24) == 0.0048 * 3 + 0.0024 * 24
+    assert shared(3, 16, 48) == 0.0048 * 3 * 2 + 0.0024 * 48  # two groups: two passes a level
+    alone = TreeCurve(curves[0].gains, [0.0] + [0.0048 * n + 0.0024 * n for n in range(1, 9)])
+    assert split_rows([alone] * 8, verify) == [0] * 8
+
+
+def test_the_split_with_shared_growing_is_near_the_best_split_on_small_cases():
+    verify = VerifyTime(flat=0.06, base=0.01, slope=0.0005)
+    shared = SharedGrowing(base=0.006, per_node=0.002, group=2)
+
+    def rate(curves, nodes):
+        depth = max(c.levels[n] for c, n in zip(curves, nodes))
+        grow = shared(depth, sum(n > 0 for n in nodes), sum(nodes)) + sum(c.grow[n] for c, n in zip(curves, nodes))
+        return sum(1 + c.gains[n] for c, n in zip(curves, nodes)) / (grow + verify(sum(nodes) + len(nodes) - 1))
+
+    for rates in [(0.9, 0.5), (0.8, 0.8, 0.2), (0.3, 0.95, 0.6)]:
+        curves = [_levels_curve(r, 6) for r in rates]
+        nodes = split_rows(curves, verify, shared)
+        best = max(rate(curves, split) for split in itertools.product(range(7), repeat=len(curves)))
+        assert rate(curves, nodes) >= 0.97 * best
+
+
+def test_the_policy_prices_a_shared_pass_minion_once_for_the_batch():
+    """share_growing names the minion whose passes a batch shares: then 8 requests get
+    trees that, priced request by request, would not pay."""
+    model = CostModel(VerifyTime(flat=0.0627, base=0.009, slope=0.00034),
+                      (GrowTime("q3", 0.0048, 0.0024), GrowTime("ngram", 3e-5, 0.0)), step_overhead=0.0001)
+    policy = CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=16)
+    policy.rates["greedy"] = (0.9, 0.9)
+    policy.decays["greedy"] = 0.95
+    mix = [(100, "greedy", 0.0)] * 8
+    assert all(b.nodes == 0 for b in policy.choose_shared(mix))
+    policy.share_growing({"q3": 8, "ngram": 1})
+    assert policy.grow_groups == {"q3": 8}
+    budgets = policy.choose_shared(mix)
+    assert all(b.nodes > 0 for b in budgets)
+    # each request's predicted grow is its own part plus an equal share of the shared passes
+    depth = max(b.depth for b in budgets)
+    share = (0.0048 * depth + 0.0024 * sum(b.nodes for b in budgets)) / 8
+    assert abs(budgets[0].predicted_t_grow - share) < 0.001

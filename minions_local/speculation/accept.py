@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from minions_local.core.errors import ModelOutputError
 from minions_local.core.sampling import SamplingParams, processed_probs
 from minions_local.core.tree import TokenTree
 
@@ -146,3 +147,15 @@ def rank_trials(tree: TokenTree, path: list[int], capped: bool = False) -> list[
         taken = path[i + 1] if i + 1 < len(path) else None
         trials.append((i + 1, len(children), children.index(taken) + 1 if taken is not None else 0))
     return trials
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """NaN or infinite logits choose a token as if they were scores (argmax takes a NaN
+    as the largest), so a broken model would end its reply "normally", often at once.
+    One sum finds either anywhere (float32 cannot overflow on real logits)."""
+    if not torch.isfinite(logits.sum(dtype=torch.float32)):
+        bad = "NaN" if torch.isnan(logits).any() else "infinite"
+        raise ModelOutputError(
+            f"The target model computed {bad} logits, so no next token can be chosen; the reply stops here. "
+            "Its weights may be damaged (restore the model files), or its activations overflow the dtype it "
+            "runs in (float16 does on some models: try dtype = \"float32\" or \"bfloat16\" in the profile).")

@@ -25,16 +25,15 @@ from typing import Sequence, TypeVar
 
 import torch
 
-from minions_local.core.errors import ModelOutputError
 from minions_local.core.events import StepRecord, TreeSnapshot
 from minions_local.core.protocols import Minion, PromptChunk, SlotTree, Target
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
-from minions_local.speculation.accept import accept, rank_trials
+from minions_local.speculation.accept import accept, check_finite, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget
 from minions_local.speculation.growing import Growth, GrowJob, grow_all, new_job
-from minions_local.speculation.lanes import Lane, StepRequest
+from minions_local.speculation.lanes import Lane, SharedPass, StepRequest
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled
 
@@ -63,20 +62,6 @@ class _Plan:
     """The minions have not read the prompt: the target decodes this step alone (the
     tokens it commits are the minions' to read later, with the prompt)."""
     t_grow: float
-
-
-@dataclass(frozen=True)
-class _SharedPass:
-    """What a step's requests share: the target's pass, the policy's and the reads' time."""
-
-    t_verify: float
-    streamed: int
-    rows: int
-    requests: int
-    t_policy: float
-    t_read: float
-    t_step: float | None
-    """The whole step's wall time, when requests or prompt chunks shared it."""
 
 
 class Decoder:
@@ -318,7 +303,7 @@ class Decoder:
         self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
         streamed = self.target.bytes_streamed() - streamed_before
         rows = sum(len(p.tree) for p in plans) + sum(len(c.tokens) for c in chunks)
-        shared = _SharedPass(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
+        shared = SharedPass(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
                              t2 - t0 if len(plans) > 1 or chunks else None)
         return [self._learn(plan, path, bonus, ahead_nodes, shared) for plan, (path, bonus, ahead_nodes) in
                 zip(plans, outcomes)]
@@ -411,7 +396,7 @@ class Decoder:
             outcomes = []
             for plan, logits in zip(plans, all_logits):
                 r = plan.request
-                _check_finite(logits)
+                check_finite(logits)
                 path, bonus = accept(plan.tree, logits, r.params, r.generator, max_accept=r.remaining - 1)
                 self.target.use_slot(r.slot)
                 self.target.commit(plan.tree, path)
@@ -422,7 +407,7 @@ class Decoder:
         outcomes[0][2] = ahead_nodes
         return [tuple(o) for o in outcomes]
 
-    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, shared: _SharedPass) -> StepResult:
+    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, shared: SharedPass) -> StepResult:
         """Commit one request's tokens to its minions, and learn from its step."""
         r, tree, growth, budget = plan.request, plan.tree, plan.growth, plan.budget
         t_verify, requests = shared.t_verify, shared.requests
@@ -490,18 +475,6 @@ class Decoder:
     def _of_those_that_ran(self, growth: Growth, values: Sequence[T]) -> dict[str, T]:
         """Per-minion values as {name: value}, for the minions that grew this step."""
         return {m.name: v for m, v, p in zip(self.minions, values, growth.proposals) if p is not None}
-
-
-def _check_finite(logits: torch.Tensor) -> None:
-    """NaN or infinite logits choose a token as if they were scores (argmax takes a NaN
-    as the largest), so a broken model would end its reply "normally", often at once.
-    One sum finds either anywhere (float32 cannot overflow on real logits)."""
-    if not torch.isfinite(logits.sum(dtype=torch.float32)):
-        bad = "NaN" if torch.isnan(logits).any() else "infinite"
-        raise ModelOutputError(
-            f"The target model computed {bad} logits, so no next token can be chosen; the reply stops here. "
-            "Its weights may be damaged (restore the model files), or its activations overflow the dtype it "
-            "runs in (float16 does on some models: try dtype = \"float32\" or \"bfloat16\" in the profile).")
 
 
 def _spare_core(target: Target) -> bool:

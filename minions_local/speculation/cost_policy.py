@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from statistics import median
 
 from minions_local.core.events import StepRecord
-from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape
+from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape, width_for
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
 from minions_local.speculation.realized import RealizedRates
-from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, split_rows
+from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, shared_seconds, split_rows
 
 
 @dataclass
@@ -195,8 +195,7 @@ class CostModelBudget:
         nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests), shared)
         t_verify = self.model.t_verify(sum(nodes) + requests - 1, requests)
         growers = sum(n > 0 for n in nodes)
-        share = shared(max(d[n] for d, n in zip(depth_tables, nodes)), growers, sum(nodes)) / growers \
-            if shared is not None and growers else 0.0
+        share = shared_seconds(curves, shared, nodes) / growers if growers else 0.0
         budgets = []
         for (cap, _, _), n, grow, depths in zip(mix, nodes, growing, depth_tables):
             depth = depths[n] if n else 0
@@ -359,7 +358,7 @@ def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[t
                 if (name, together) not in seen:
                     seen.add((name, together))
                     _, nodes, passes, total = together
-                    out.setdefault(name, []).append((max(1, -(-nodes // passes)), total / passes))
+                    out.setdefault(name, []).append((width_for(nodes, passes), total / passes))
                 continue
             passes, width = grow_shape(record.minion_nodes.get(name, budget.nodes), budget.depth)
             out.setdefault(name, []).append((width, seconds / passes))

@@ -191,13 +191,19 @@ class Decoder:
     rare (8 requests, cpu-demo-disk, AVX-512 EPYC: shared grow passes of 1-node
     trees fitted at 13-21 ms, against 16 ms for all 8 with nothing to catch up)."""
 
+    def _backlog(self, lane: Lane, context: list[int]) -> int:
+        """Tokens decoded without a tree that the minions read before their next one
+        (0: none, or fewer than CATCH_UP, which the tree's first pass reads)."""
+        if lane.prompt_unread is not None:
+            return 0
+        unread = lane.unread(context)
+        return unread if unread >= self.CATCH_UP else 0
+
     def _unread_seconds(self, lane: Lane, context: list[int]) -> float:
         """What reading the context the minions have not seen would cost now."""
-        if self.read_seconds_per_token is None or lane.prompt_unread not in (None, "until a tree"):
+        if self.read_seconds_per_token is None:
             return 0.0
-        unread = lane.unread(context)
-        if lane.prompt_unread is None and unread < self.CATCH_UP:
-            return 0.0
+        unread = lane.unread(context) if lane.prompt_unread == "until a tree" else self._backlog(lane, context)
         return unread * self.read_seconds_per_token
 
     def use_slot(self, slot: int) -> None:
@@ -285,8 +291,8 @@ class Decoder:
         due = self._reads_due(requests, budgets)
         prompts = [read for read in due if read[1].prompt_unread is not None]
         backlog = [read for read in due if read[1].prompt_unread is None]
-        t_read = self._timed(self._minions_read, prompts)
-        t_catch_up = self._timed(self._minions_read, backlog)
+        t_read = self._timed_read(prompts)
+        t_catch_up = self._timed_read(backlog)
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
         grow_all(self.minions, [job for job, _ in jobs])
         plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
@@ -308,13 +314,12 @@ class Decoder:
         return [self._learn(plan, path, bonus, ahead_nodes, shared) for plan, (path, bonus, ahead_nodes) in
                 zip(plans, outcomes)]
 
-    @staticmethod
-    def _timed(read, reads: list) -> float:
-        """Seconds `read(reads)` took (0.0 when there is nothing to read)."""
+    def _timed_read(self, reads: list[tuple[int, Lane, list[int]]]) -> float:
+        """The minions read `reads` (_minions_read); the seconds it took (0.0: nothing to read)."""
         if not reads:
             return 0.0
         start = time.perf_counter()
-        read(reads)
+        self._minions_read(reads)
         return time.perf_counter() - start
 
     def _budgets(self, requests: Sequence[StepRequest]) -> list[StepBudget]:
@@ -348,8 +353,7 @@ class Decoder:
         for r, b in zip(requests, budgets):
             lane = self.lanes.setdefault(r.slot, Lane())
             if lane.prompt_unread == "read now" or (b.nodes > 0 and (
-                    lane.prompt_unread == "until a tree" or
-                    (lane.prompt_unread is None and lane.unread(r.context) >= self.CATCH_UP))):
+                    lane.prompt_unread == "until a tree" or self._backlog(lane, r.context))):
                 due.append((r.slot, lane, r.context))
         return due
 

@@ -98,9 +98,9 @@ def _joint_moves(curves: Sequence[TreeCurve], nodes: list[int], shared: SharedGr
     if shared is None:
         return []
     most = max((c.max_nodes for c in curves), default=0)
+    steps = [sign * 2 ** i for i in range(most.bit_length()) for sign in (1, -1)]  # +-1, 2, 4, ... up to most
     out = []
-    for step in _moves(most, 2 * most):
-        step -= most
+    for step in steps:
         for growers_only in (False, True):
             trial = [n if growers_only and not n else min(max(n + step, 0), c.max_nodes)
                      for c, n in zip(curves, nodes)]
@@ -109,14 +109,19 @@ def _joint_moves(curves: Sequence[TreeCurve], nodes: list[int], shared: SharedGr
     return out
 
 
+def shared_seconds(curves: Sequence[TreeCurve], shared: SharedGrowing | None, nodes: Sequence[int]) -> float:
+    """What the shared-pass minions take to grow these trees (0.0: none shares passes)."""
+    if shared is None:
+        return 0.0
+    deepest = max((c.levels[n] if c.levels else 0) for c, n in zip(curves, nodes))
+    return shared(deepest, sum(n > 0 for n in nodes), sum(nodes))
+
+
 def _rate(curves: Sequence[TreeCurve], times: Sequence[float], shared: SharedGrowing | None,
           nodes: Sequence[int]) -> float:
     """Tokens per second of the pass with these trees."""
     tokens = sum(1 + c.gains[n] for c, n in zip(curves, nodes))
-    grow = sum(c.grow[n] for c, n in zip(curves, nodes))
-    if shared is not None:
-        grow += shared(max((c.levels[n] if c.levels else 0) for c, n in zip(curves, nodes)),
-                       sum(n > 0 for n in nodes), sum(nodes))
+    grow = sum(c.grow[n] for c, n in zip(curves, nodes)) + shared_seconds(curves, shared, nodes)
     return tokens / (grow + times[len(curves) + sum(nodes)])
 
 

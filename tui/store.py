@@ -223,7 +223,7 @@ class ConversationStore:
         if is_valid_id(query) and self.path(query).exists():
             return self.load(query)
         saved = self.saved()
-        if query.isdigit() and 1 <= int(query) <= len(saved):
+        if query.isdecimal() and 1 <= int(query) <= len(saved):
             return saved[int(query) - 1]
         matches = [c for c in saved if c.display_title().lower().startswith(query.lower())]
         matches = matches or [c for c in saved if c.id.startswith(query)]

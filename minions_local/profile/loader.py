@@ -226,7 +226,7 @@ def _explain(err: ValidationError, path: Path, text: str) -> str:
 def _dotted(loc: list[str]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+        out += f"[{part}]" if part.isdecimal() else (f".{part}" if out else part)
     return out
 
 
@@ -234,7 +234,7 @@ def _valid_fields(loc: list[str]) -> list[str]:
     """Field names of the section at `loc` (a path through Profile's nested models)."""
     model: type[BaseModel] = Profile
     for part in loc:
-        if part.isdigit():
+        if part.isdecimal():
             continue
         field = model.model_fields.get(part)
         inner = _model_in(field.annotation) if field else None
@@ -256,13 +256,13 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 def _line_of(text: str, loc: list[str]) -> int | None:
     """Best-effort line number of the key at `loc`, searched under its table header."""
-    if not loc or loc[-1].isdigit():
+    if not loc or loc[-1].isdecimal():
         return None
     start = 0
     for i, part in enumerate(loc[:-1]):
-        if part.isdigit():
+        if part.isdecimal():
             continue
-        index = int(loc[i + 1]) if i + 1 < len(loc) - 1 and loc[i + 1].isdigit() else 0
+        index = int(loc[i + 1]) if i + 1 < len(loc) - 1 and loc[i + 1].isdecimal() else 0
         header = re.compile(rf"^\s*\[\[?[\w.]*\b{re.escape(part)}\]\]?\s*$", re.M)
         for _ in range(index + 1):
             m = header.search(text, start)

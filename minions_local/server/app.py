@@ -82,7 +82,7 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
         too_large = ApiError(413, f"The request body is larger than this server's limit of {limit} bytes "
                                   f"(--max-body-bytes).", code="request_too_large")
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isdecimal() and int(declared) > limit:
             if int(declared) > limit + DRAIN_BYTES or "100-continue" in request.headers.get("expect", "").lower():
                 raise too_large
         body = bytearray()

@@ -35,6 +35,11 @@ class HFMinion:
     """Whether grow_batch/prefill_batch run several requests in one compact pass (a
     subclass whose passes take more than tokens, as FeatureMinion's do, says no)."""
     grows_ahead = False  # its passes would compete with the target's for torch's threads
+    # No `requests_per_pass`: the cost model prices its grows request by request, as
+    # before grow_batch. Priced as shared passes (speculation/row_budget.py), the
+    # server soak's 16-request batches grew far more trees through it and the server's
+    # memory kept rising for five rounds of 64 requests (72-137 MiB the second round,
+    # against ~11 priced alone) before levelling off: where it goes is not found yet.
 
     def __init__(self, model, name: str, compact: bool = True, release_weights: bool = False) -> None:
         """release_weights: with the compact forward, drop the transformers modules'
@@ -113,11 +118,6 @@ class HFMinion:
             _, anc, depths = level
             growing.expand(self._run_nodes(growing.tree, growing.batch, anc, depths, growing.base_pos))
         return growing.done()
-
-    @property
-    def requests_per_pass(self) -> int:
-        """Requests whose trees one grow_batch pass grows: all of them (compact forward)."""
-        return 1 << 16 if self.shares_passes and isinstance(self.runner, CompactModel) else 1
 
     def grow_batch(self, requests: Sequence[tuple[int, list[int], GrowBudget]]) -> list[CandidateTree]:
         """Grow several requests' trees, given as (slot, context, budget): their roots

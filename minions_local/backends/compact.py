@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from minions_local.backends.hf import CachedModel
-from minions_local.backends.packing import TIED_HEAD_COPY, pack_weight, packed_linear, packing_is_exact
+from minions_local.backends.packing import (TIED_HEAD_COPY, onednn_linear, pack_weight, packed_linear,
+                                            packing_is_exact, row_invariant_matmuls)
+from minions_local.backends.tiled_attention import KEY_BLOCK, attend_prompt
 
 
 @dataclass(eq=False)
@@ -101,8 +103,14 @@ class CompactDecoder:
         """The head need not be row-invariant: nothing is rounded after it (a float32
         head; see hf_target._int4_target), so a 1-token pass skips the doubled row."""
         self.linear = F.linear
-        if pack and packing_is_exact(self.dtype, self.device):
+        # A row-invariant target multiplies on oneDNN in every dtype: MKL's float32
+        # matmul (F.linear's) rounds a row differently at 1, 7 or 16 rows than at 2, 3
+        # or 512, oneDNN's only at 1 row (_linear runs that as 2).
+        self.onednn = row_invariant and row_invariant_matmuls(self.dtype, self.device)
+        if pack and (packing_is_exact(self.dtype, self.device) or self.onednn):
             self._pack()
+        elif self.onednn:
+            self.linear = self.head_linear = onednn_linear
         self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         self.capacity = min(capacity, self.max_len)
         """Tokens a new slot's cache starts with room for (it doubles as it fills)."""
@@ -138,7 +146,10 @@ class CompactDecoder:
 
     def _reserve(self, slot: KVSlot, needed: int) -> None:
         """Grow a cache by doubling: a long-context minion never preallocates its
-        whole window."""
+        whole window. A row-invariant forward's prompt attention reads whole key blocks
+        (tiled_attention.py), so its capacity reaches the next block's end."""
+        if self.row_invariant:
+            needed = -(-needed // KEY_BLOCK) * KEY_BLOCK
         capacity = slot.kv.shape[3]
         if needed <= capacity:
             return
@@ -192,7 +203,11 @@ class CompactDecoder:
     def _pack_head(self) -> None:
         """Prepack the lm_head, unless it is a big tied one: that is the embedding, which
         lookups need plain, and a second copy would cost hundreds of MB."""
-        if self.lm_head is not self.embed or self.lm_head.numel() * self.lm_head.element_size() <= TIED_HEAD_COPY:
+        if not packing_is_exact(self.dtype, self.device):
+            # Packed only for row invariance (float32): the head keeps the module's plain
+            # weight, which a feature drafter shares (models/drafter.py).
+            self.head_linear = onednn_linear
+        elif self.lm_head is not self.embed or self.lm_head.numel() * self.lm_head.element_size() <= TIED_HEAD_COPY:
             self.lm_head = pack_weight(self.lm_head)
             self.head_linear = packed_linear
         else:
@@ -233,13 +248,14 @@ class CompactDecoder:
         """Logits [T, V] (float32) for T new tokens on the current slot's cache; mask
         (1, 1, T, length + T) additive.
 
-        `prefill`: a chunk of a prompt, whose rows no 1-token pass is ever compared
-        with. Only its last row's logits are computed ([1, V]), and attention runs on
-        the fast kernel even where passes are row-invariant: float64 attention grows with
-        the square of a prompt (SmolLM2, 1500 tokens: 5.4 of 7.0 s). The engine keeps
-        prefilled and decoded cache entries the same in every decoding mode (Engine:
-        a reply's cache ends where autoregressive decoding's would), so both modes
-        prefill the same tokens the same way. `last_hidden` keeps every row."""
+        `prefill`: a chunk of a prompt (a chain on top of the cache). Only its last
+        row's logits are computed ([1, V]). Where passes are row-invariant, its attention
+        is tiled_attention's, whose rows are the same bits however the prompt is chunked
+        and whatever shares the pass (float64 attention, the decoding passes', grows with
+        the square of a prompt: SmolLM2, 1500 tokens, 5.4 of 7.0 s). A prompt's entries
+        then never depend on its chunking; the engine keeps no decoded entry past a
+        reply (Engine, BatchRun), so a cache holds only prompt entries between requests.
+        `last_hidden` keeps every row."""
         part = PassPart(self.slot_kv, tokens, mask, positions, prefill)
         logits = self.forward_parts([part])[0]
         self.last_hidden = part.hidden
@@ -306,8 +322,10 @@ class CompactDecoder:
         """Write one part's new keys and values into its cache and attend over it."""
         view.new_keys[layer].copy_(k)
         view.new_values[layer].copy_(v)
-        return self._attend(q, view.keys[layer], view.values[layer], part.mask,
-                            row_invariant=self.row_invariant and not part.prefill)
+        if self.row_invariant and part.prefill:
+            kv = part.slot.kv[layer]
+            return attend_prompt(q, kv[0], kv[1], part.slot.length)
+        return self._attend(q, view.keys[layer], view.values[layer], part.mask, row_invariant=self.row_invariant)
 
     def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input for these token ids: their embeddings."""

@@ -158,9 +158,10 @@ class StreamedCompactTarget(SharedPassTarget):
     decoder_class = StreamedCompactDecoder
 
 
-ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
+ROW_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Where a batched pass would round differently from a 1-token pass without float64
-attention (compact.CompactDecoder._attend); float32 needs nothing (measured exact)."""
+attention (compact.CompactDecoder._attend) and oneDNN's matmuls: every dtype (in float32
+MKL's matmuls, transformers' own, change a row's bits with the row count)."""
 
 
 def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
@@ -169,11 +170,11 @@ def exact_target(model, *, bytes_streamed: Callable[[], int] | None = None,
 
     That is the compact forward (streamed where the model's layers stream, as after
     `load_streamed_causal_lm`) where a check at load time finds it exact on this
-    machine, else transformers' forward. In float32 exact means transformers' logits,
-    bit for bit. In bf16/fp16 no forward is exact in that sense (transformers' own
-    logits change with how many tokens share a pass), so there it means row-invariant:
-    each tree row equals the compact forward's own 1-token pass, bit for bit, and its
-    logits stay close to transformers'. For a streamed model the check runs a few
+    machine, else transformers' forward. No forward is exact in the sense of matching
+    transformers bit for bit at every row count (transformers' own logits change with
+    how many tokens share a pass), so exact means row-invariant: each tree row equals
+    the compact forward's own 1-token pass, bit for bit, a prompt's cache entries are
+    the same bits however it is chunked, and the logits stay close to transformers'. For a streamed model the check runs a few
     streamed passes: both forwards take their layers from the same prefetch pipeline.
 
     bytes_streamed: the streamer's cumulative byte count (None: nothing streams).
@@ -214,9 +215,10 @@ def _int4_target(model, bytes_streamed: Callable[[], int] | None, release_weight
     compact.verify(prompt, tree)
     rows = compact.decoder.last_hidden.clone()
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
-    if path_rows_differing(compact, prompt, tree, rows, deepest, hidden=True):
-        raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes on "
-                             "this machine, so trees would change the replies. Set gguf_kernel = "
+    if path_rows_differing(compact, prompt, tree, rows, deepest, hidden=True) or chunking_differs(compact, prompt):
+        raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes (or a "
+                             "prompt's rows the same bits in any chunking) on this machine, so trees or "
+                             "cached prompts would change the replies. Set gguf_kernel = "
                              "'dequant' under [target] in the profile to compute the GGUF's weights in float32.")
     if release_weights:
         compact.decoder.release_module_weights(model)
@@ -255,7 +257,24 @@ def _row_invariant(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:
     if not (rows - theirs).abs().max() <= 0.05 * theirs.abs().max() + 1e-3:
         return False
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
-    return not path_rows_differing(compact, prompt, tree, rows, deepest)
+    return not path_rows_differing(compact, prompt, tree, rows, deepest) and not chunking_differs(compact, prompt)
+
+
+def chunking_differs(target: HFTarget, prompt: list[int]) -> bool:
+    """Whether a prompt's cache entries change with how it is chunked: read whole, then
+    in pieces of 1, 6 and the rest, bit for bit (tiled_attention.py's promise, checked
+    on this machine). Leaves `target`'s cache reset."""
+    kv = target.decoder.slot_kv
+    target.reset()
+    target.extend(prompt)
+    whole = kv.kv[:, :, :, :len(prompt)].clone()
+    target.reset()
+    for a, b in ((0, 1), (1, 7), (7, len(prompt))):
+        target.extend(prompt[a:b])
+    pieces = kv.kv[:, :, :, :len(prompt)]
+    differs = not torch.equal(whole, pieces)
+    target.reset()
+    return differs
 
 
 def path_rows_differing(target: HFTarget, context: list[int], tree: TokenTree, rows: torch.Tensor,

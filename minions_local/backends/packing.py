@@ -23,6 +23,34 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) on oneDNN with a plain weight (a streamed layer's buffer)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def row_invariant_matmuls(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether oneDNN's matmuls give a row the same bits at any row count from 2 up, in
+    `dtype` here (plain and prepacked weights). Measured on an AVX-512 EPYC: true for
+    bfloat16 and float32, where MKL's float32 (F.linear's) differs at 1, 7, 16... rows."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(1)
+        weight = (torch.randn(160, 96, generator=g) * 0.1).to(dtype)
+        x = torch.randn(1, 600, 96, generator=g).to(dtype)
+        for w, linear in ((weight, onednn_linear), (pack_weight(weight), packed_linear)):
+            reference = linear(x[:, :2], w)[0, 0]
+            for rows in (3, 7, 16, 33, 128, 600):
+                if not torch.equal(linear(x[:, :rows], w)[0, 0], reference):
+                    return False
+        return True
+    except (RuntimeError, AttributeError):  # a build without these oneDNN ops
+        return False
+
+
 def packing_is_exact(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether prepacked oneDNN matmuls give bit-identical results to F.linear here.
 

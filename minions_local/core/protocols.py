@@ -236,8 +236,8 @@ class Target(Protocol):
         ...
 
     def forget_beyond(self, context: list[int]) -> None:
-        """Keep no cache entry past context[:-1] (a reply ended by a stop token or
-        string: what autoregressive decoding would hold)."""
+        """Keep no cache entry past context[:-1] (a reply has ended: the cache keeps
+        only its prompt's entries)."""
         ...
 
     def bytes_streamed(self) -> int:

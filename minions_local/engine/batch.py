@@ -180,10 +180,10 @@ class BatchRun:
 
     def _finish(self, req: BatchRequest, finish: str | None = None) -> list[tuple[BatchRequest, Event]]:
         self.running.remove(req)
-        if req.reply.stopped_early:  # the caches keep nothing past the reply's end (see Engine._run)
+        if req.prefilled:  # the target keeps only prompt entries (see Engine._run)
             self.decoder.use_slot(req.slot)
-            self.decoder.target.forget_beyond(req.reply.context)
-        self.pool.give_back(req.slot, req.reply.context[:-1] if req.prefilled else [])
+            self.decoder.target.forget_beyond(req.prepared.ids)
+        self.pool.give_back(req.slot, req.prepared.ids[:-1] if req.prefilled else [])
         return [(req, e) for e in req.reply.close(finish)]
 
     def close(self) -> None:

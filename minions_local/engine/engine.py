@@ -9,6 +9,8 @@ only runs its new tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import sys
 import threading
@@ -365,6 +367,7 @@ class Engine:
 
     def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
         self._acquire("start a generation")
+        kept = False
         try:
             holder.thread = threading.current_thread().name
             self._holder = holder
@@ -383,15 +386,25 @@ class Engine:
                                                                   reproducible=prepared.seed is not None))
                 self.keep_tree(result)
                 yield from reply.add(result.tokens, result.record)
-            if reply.stopped_early:
-                # A step may have accepted tokens past the stop. Autoregressive decoding
-                # would hold none of them, and the next request prefills them afresh:
-                # the cache must be the same whichever way the reply was decoded.
-                self._guarded(lambda: self.decoder.target.forget_beyond(reply.context))
+            self._keep_prompt_only(prepared.ids)
+            kept = True
             yield from reply.close()
         finally:
+            if not kept:  # closed mid-reply (GeneratorExit) or failed: no decoded entry stays either
+                with contextlib.suppress(Exception):  # (a failure has reset the caches already)
+                    self._keep_prompt_only(prepared.ids)
             self._holder = None
             self._busy.release()
+
+    def _keep_prompt_only(self, prompt: list[int]) -> None:
+        """Drop the reply's cache entries: the next request re-reads them as prompt.
+
+        The reference for any later request is the target reading its whole prompt
+        from an empty cache, and a prompt's entries are the same bits however it is
+        chunked (tiled_attention.py), but not the same as a decoding pass's (float64
+        attention over a tree). So the cache holds prompt entries only, and a chat's
+        next turn re-reads the last reply: one more prompt chunk."""
+        self._guarded(lambda: self.decoder.target.forget_beyond(prompt))
 
     def keep_tree(self, result: StepResult) -> None:
         """Attach a display copy of the verified tree to the step's record (the TUI's

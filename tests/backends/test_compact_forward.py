@@ -52,9 +52,10 @@ from minions_local.backends.hf_target import CompactTarget, HFTarget, exact_targ
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resident_target_is_exact(dtype):
-    """Exactness is the point: in float32 the target's logits are transformers', bit for
-    bit; in bf16 (where transformers' own logits change with the batch) each tree row is
-    the target's own 1-token pass, bit for bit."""
+    """Exactness is the point: in every dtype (transformers' own logits change with the
+    batch, in float32 too: MKL's matmuls) each tree row is the target's own 1-token pass,
+    bit for bit, close to transformers'; and a prompt's cache entries are the same bits
+    however the prompt is chunked."""
     model = random_model(tiny_config("llama"), 3).to(dtype)
     ref = HFTarget(random_model(tiny_config("llama"), 3).to(dtype))
     target = exact_target(model)
@@ -71,14 +72,15 @@ def test_resident_target_is_exact(dtype):
     tree.add(a, 9)
     for n in (20, 57):  # the second verify runs on a cache the first one left
         theirs, ours = ref.verify(context[:n], tree), target.verify(context[:n], tree)
-        if compact and dtype == torch.bfloat16:  # row-invariant instead: close to theirs, ...
+        if compact:  # row-invariant instead: close to theirs, ...
             assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
         else:
             assert torch.equal(theirs, ours)
         ref.commit(tree, [0, a])
         target.commit(tree, [0, a])
-    if compact and dtype == torch.bfloat16:  # ... and each row is the 1-token pass's, bit for bit
+    if compact:  # ... and each row is the 1-token pass's, bit for bit, ...
         assert_rows_are_one_token_passes(target, context, tree)
+        assert not hf_target.chunking_differs(target, context)  # ... and chunking changes no entry
     if compact:  # the module's own copies were released: the weights are held once
         assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
         assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95

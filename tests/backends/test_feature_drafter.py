@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from minions_local import Engine
+from minions_local.core.events import TokenEvent
 from minions_local.core.errors import ModelLoadError
 from minions_local.engine.loading import MinionSpec, load_minion
 from minions_local.models import drafter
@@ -35,28 +36,43 @@ def reference_features(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
 
 
+def decoded_so_far(engine: Engine, prompt: list[int], tokens: int):
+    """(the stream, prompt + the first `tokens` or more reply tokens), the stream paused
+    mid-reply: once a reply ends, the target keeps only its prompt's entries."""
+    stream = engine.stream(prompt, max_new_tokens=2 * tokens)
+    reply: list[int] = []
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            reply += event.token_ids
+            if len(reply) >= tokens:
+                break
+    return stream, prompt + reply
+
+
 def test_the_target_keeps_each_committed_positions_feature(three_layers):
     """After prefill and several verified trees (branches rejected, paths kept), the
     features the target holds are those a fresh forward over the same tokens gives."""
     folder, model, weights = three_layers
     engine = Engine.from_pretrained(folder, [f"eagle:{weights}"], dtype="float32", budget=12, max_depth=4)
     prompt = [5, 9, 17, 4, 33, 8]
-    out = engine.generate(prompt, max_new_tokens=24)
+    stream, context = decoded_so_far(engine, prompt, 20)
     target = engine.decoder.target
-    context = prompt + out.token_ids
     held = target.features_of(context)
     assert held.shape[0] >= len(context) - 2  # everything but the last token or two
     assert torch.allclose(held, reference_features(model, context[:held.shape[0]]), atol=1e-4)
     assert target.features_of([99, 98]).shape[0] == 0  # another conversation: nothing of it
+    stream.close()
+    assert target.features_of(context).shape[0] == len(prompt) - 1  # the reply's entries are gone
 
 
 def test_the_drafter_reads_the_feature_before_each_token(three_layers):
     folder, model, weights = three_layers
     engine = Engine.from_pretrained(folder, [f"eagle:{weights}"], dtype="float32", budget=12, max_depth=4)
     prompt = [7, 3, 44, 12, 9]
-    context = prompt + engine.generate(prompt, max_new_tokens=20).token_ids
+    stream, context = decoded_so_far(engine, prompt, 16)
     minion = engine.decoder.minions[0]
     logits, base = minion._run_root(context)
+    stream.close()
     assert base == len(context) - 2
     # The drafter by hand: input i = fc([embed(context[i + 1]), feature(context[i])]).
     draft, fc = drafter.build_drafter(model, weights)

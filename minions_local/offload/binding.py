@@ -190,7 +190,21 @@ class ResidentPackedLayer:
                  device: torch.device) -> None:
         host = aligned_empty(layout.padded_nbytes)
         pack_layer(layout, tensors, host)
-        self.packed = host.to(device)
+        self._bind_packed(layer, layout, host.to(device), scratch)
+
+    @classmethod
+    def from_packed(cls, layer: nn.Module, layout: LayerLayout, packed: torch.Tensor,
+                    scratch: DequantScratch) -> ResidentPackedLayer:
+        """A layer resident in `packed`, a buffer on the compute device already laid out
+        by `layout` (a synthetic timing stack lets many layers share one such buffer)."""
+        self = cls.__new__(cls)
+        self._bind_packed(layer, layout, packed, scratch)
+        return self
+
+    def _bind_packed(self, layer: nn.Module, layout: LayerLayout, packed: torch.Tensor,
+                     scratch: DequantScratch) -> None:
+        device = packed.device
+        self.packed = packed
         self.layout = layout
         self.placeholder = torch.empty(0, dtype=scratch.dtype, device=device)
         _empty_parameters(layer, self.placeholder)

@@ -63,7 +63,7 @@ def run_chat(device: str, quick: bool, deadline: float) -> dict:
 
 
 def _chat(device: str, quick: bool, deadline: float, cache_dir: str) -> dict:
-    max_new = 24 if quick else 128
+    max_new = 16 if quick else 128
     spec = load(device, [DEMO_DIR / MINION], cache_dir)
     alone = load(device, [], cache_dir)
     for engine in (spec, alone):  # warm: kernels, allocator, the first pinned copies

@@ -37,7 +37,8 @@ MINION = DEMO_DIR / "minion-qwen2-xs"  # the one minion that travels to the GPU 
 PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):",
            "<|endoftext|>### User:\nHow do I read a file line by line?\n\n### Assistant:\n")
 MAX_NEW = 24 if QUICK else 64
-SAMPLES = 200 if QUICK else 1200
+SAMPLES = 150 if QUICK else 1200
+GREEDY_PROMPTS = PROMPTS[::3] if QUICK else PROMPTS  # the rehearsal: a code and a chat prompt
 
 
 def record(entry: dict) -> None:
@@ -73,7 +74,7 @@ def test_greedy_replies_are_the_target_alones(placement, reference, tmp_path):
     alone = Engine.from_pretrained(TARGET, [], device=DEVICE, dtype="bfloat16", **options)
     stop = min(spec.eos_ids) if spec.eos_ids else None
     partings, accepted = [], []
-    for text in PROMPTS:
+    for text in GREEDY_PROMPTS:
         prompt = spec.tokenizer.encode(text)
         ours = spec.generate(prompt, max_new_tokens=MAX_NEW)
         theirs = alone.generate(prompt, max_new_tokens=MAX_NEW)

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""The same request, the same reply, through a real `minions-serve`: and what 8 clients
+at once get against the same 8 one at a time.
+
+    python scripts/bench_serve.py                               # cpu-demo-disk, bf16
+    python scripts/bench_serve.py --profile cpu-demo --dtype float32 --max-new 32
+
+A server process is started as a user starts it, and driven with the official openai
+client, greedy. The reference for every reply is the target alone reading that chat
+from an empty cache (Engine.from_profile(..., minions=[]), reset before each). Modes,
+in one server's life, so that each meets the caches the ones before it left:
+  in order      the prompts one at a time
+  reversed      again, in reverse order
+  interleaved   one at a time, each after an unrelated long conversation
+  together      all at once (8 clients)
+Then the aggregate tok/s of `together` against `in order`. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.chat_prompts import CHAT_PROMPTS  # noqa: E402
+
+READY = re.compile(r"ready on http://127\.0\.0\.1:(\d+)/v1")
+LONG = ("Here are my notes from the week; read them and tell me which three tasks matter most.\n\n"
+        + "\n".join(f"- Day {d}: answered mail, fixed the build, met the team about the Q{d % 4 + 1} plan."
+                    for d in range(1, 40)))
+
+
+def profile_file(profile: str, dtype: str | None, folder: Path) -> str:
+    """The profile, or a copy of it whose target computes in `dtype`."""
+    if dtype is None:
+        return profile
+    from minions_local.profile.loader import find_profile_file
+
+    text = find_profile_file(profile).read_text()
+    text, n = re.subn(r'(?m)^dtype\s*=\s*"[^"]*"', f'dtype = "{dtype}"', text, count=1)
+    if not n:
+        text = text.replace("[target]\n", f'[target]\ndtype = "{dtype}"\n', 1)
+    path = folder / f"{Path(profile).stem}-{dtype}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def start_server(profile: str, parallel: int) -> tuple[subprocess.Popen, int, list[str]]:
+    command = [sys.executable, "-m", "minions_local.server", "--profile", profile, "--port", "0",
+               "--parallel", str(parallel), "--queue", str(4 * parallel)]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, errors="replace", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = next((READY.search(line) for line in list(lines) if READY.search(line)), None)
+        if found:
+            return proc, int(found.group(1)), lines
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("minions-serve did not get ready:\n" + "".join(lines[-40:]))
+
+
+def references(profile: str, messages: list[list[dict]], max_new: int) -> list[str]:
+    from minions_local import Engine
+
+    engine = Engine.from_profile(profile, minions=[])
+    replies = []
+    for m in messages:
+        engine.reset()  # each conversation from an empty cache
+        replies.append(engine.chat(m, max_new_tokens=max_new, temperature=0).text)
+    return replies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="cpu-demo-disk")
+    ap.add_argument("--dtype", default=None, help="the target's compute dtype (default: the profile's)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=64)
+    args = ap.parse_args()
+    import openai
+
+    chats = [[{"role": "user", "content": text}] for _, text in CHAT_PROMPTS[:args.prompts]]
+    with tempfile.TemporaryDirectory() as folder:
+        profile = profile_file(args.profile, args.dtype, Path(folder))
+        reference = references(profile, chats, args.max_new)
+        proc, port, log = start_server(profile, parallel=len(chats))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+
+    def ask(m: list[dict]) -> tuple[str, int]:
+        reply = client.chat.completions.create(model="m", messages=m, max_tokens=args.max_new, temperature=0)
+        return reply.choices[0].message.content or "", reply.usage.completion_tokens
+
+    results: dict[str, dict] = {}
+    try:
+        def one_at_a_time(name: str, order: list[int], between: list[dict] | None = None) -> None:
+            texts, tokens, start = {}, 0, time.perf_counter()
+            for i in order:
+                if between is not None:
+                    ask(between)
+                texts[i], n = ask(chats[i])
+                tokens += n
+            seconds = time.perf_counter() - start
+            same = sum(texts[i] == reference[i] for i in order)
+            results[name] = {"identical": same, "of": len(order), "tok_s": round(tokens / seconds, 2),
+                             "parted": [i for i in order if texts[i] != reference[i]]}
+
+        order = list(range(len(chats)))
+        one_at_a_time("in_order", order)
+        one_at_a_time("reversed", order[::-1])
+        one_at_a_time("interleaved", order, between=[{"role": "user", "content": LONG}])
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+            answers = list(pool.map(ask, chats))
+        seconds = time.perf_counter() - start
+        results["together"] = {"identical": sum(a[0] == r for a, r in zip(answers, reference)), "of": len(chats),
+                               "tok_s": round(sum(a[1] for a in answers) / seconds, 2),
+                               "parted": [i for i, (a, r) in enumerate(zip(answers, reference)) if a[0] != r]}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    ratio = results["together"]["tok_s"] / results["in_order"]["tok_s"]
+    print(f"{'mode':<12} {'identical':>9} {'tok/s':>8}  parted")
+    for name, r in results.items():
+        print(f"{name:<12} {r['identical']:>5}/{r['of']:<3} {r['tok_s']:>8.2f}  {r['parted']}")
+    print(f"8 clients at once vs one at a time: x{ratio:.2f}")
+    exact = all(r["identical"] == r["of"] for r in results.values())
+    print(json.dumps({"profile": args.profile, "dtype": args.dtype or "profile", "max_new": args.max_new,
+                      "modes": results, "together_vs_one_at_a_time": round(ratio, 3), "all_identical": exact}))
+
+
+if __name__ == "__main__":
+    main()

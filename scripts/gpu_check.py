@@ -177,7 +177,10 @@ def brief(result: dict) -> dict:
             out[key] = res.get(key, result.get(key))
     for quant in ("int4", "bf16"):
         if quant in res:
-            out[quant] = {k: res[quant].get(k) for k in ("copy_efficiency", "copy_peak_gbps")}
+            streamed = res[quant].get("pass_ms", {}).get("0", {})
+            out[quant] = {k: res[quant].get(k) for k in ("copy_efficiency", "copy_peak_gbps", "error") if k in res[quant]}
+            ends = sorted(streamed, key=int)[:1] + sorted(streamed, key=int)[-1:]  # the smallest and largest tree
+            out[quant]["pass_ms"] = {size: streamed[size] for size in ends}
     if result.get("records"):  # the tests' own lines: greedy partings and the sampling law
         out["partings"] = sum(1 for r in result["records"] if r.get("parting"))
         out["near_ties"] = sum(1 for r in result["records"] if (r.get("parting") or {}).get("near_tie"))

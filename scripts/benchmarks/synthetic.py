@@ -42,6 +42,8 @@ class SyntheticStack:
     def __init__(self, shape: str, *, layers: int | None = None, quant: str = "int4",
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as load_streamed_causal_lm pins it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.quant, self.dtype = quant, dtype
         dims = dict(SHAPES[shape])
         if layers is not None:

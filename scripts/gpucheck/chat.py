@@ -70,8 +70,7 @@ def _chat(device: str, quick: bool, deadline: float, cache_dir: str) -> dict:
         engine.generate("def f(x):", max_new_tokens=8)
         engine.reset()
     result: dict = {"minion": MINION, "dtype": DTYPE, "tier": streamed_tier(device), "max_new_tokens": max_new,
-                    "note": NOTE,
-                    **placement(spec), "turns": []}
+                    "note": NOTE, **placement(spec), "turns": []}
     reference = None
     messages: list[dict] = []
     totals = {"tokens": 0, "passes": 0, "seconds": 0.0, "alone_tokens": 0, "alone_seconds": 0.0}

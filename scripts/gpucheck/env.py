@@ -26,9 +26,11 @@ CARRIED = ("pydantic", "platformdirs")
 ABSENT_OK = ("textual", "gguf", "llama_cpp")
 
 
-def copy_gbps(device: str, nbytes: int = 256 << 20, repeats: int = 8, rounds: int = 3) -> dict:
+def copy_gbps(device: str, nbytes: int = 256 << 20, repeats: int = 8, rounds: int = 3,
+              pageable: bool = False) -> dict:
     """GB/s of back-to-back host -> `device` copies of one `nbytes` buffer (pinned on
-    CUDA; pageable too on CUDA, for the record): the median of `rounds`."""
+    CUDA; with `pageable`, also from ordinary memory, for the record): the median of
+    `rounds`."""
     cuda = device.startswith("cuda")
     src = aligned_empty(nbytes, pin=cuda)
     src.fill_(1)  # touched: the first copy must not be paying the page faults
@@ -47,7 +49,7 @@ def copy_gbps(device: str, nbytes: int = 256 << 20, repeats: int = 8, rounds: in
 
     timed(src)  # warm: the copy engine's first use, the allocator
     out = {"copy_bytes": nbytes, "pinned_gbps" if cuda else "ram_gbps": timed(src)}
-    if cuda:
+    if cuda and pageable:
         out["pageable_gbps"] = timed(torch.ones(nbytes, dtype=torch.uint8))
     return out
 
@@ -80,7 +82,7 @@ def environment(device: str, quick: bool = False) -> dict:
             info["ram_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
     except OSError:
         pass
-    info.update(copy_gbps(device, nbytes=(32 << 20) if quick else (256 << 20)))
+    info.update(copy_gbps(device, nbytes=(32 << 20) if quick else (256 << 20), pageable=True))
     return info
 
 

@@ -152,14 +152,15 @@ class BatchRun:
         return events
 
     PROMPT_CHUNK = 512
-    """Prompt tokens a newcomer reads per pass, the same grid as a lone prefill
-    (CachedModel.extend): its prompt's cache entries come out as they would alone."""
+    """Prompt tokens a newcomer reads per pass at most (a prompt's entries are the same
+    bits in any chunking: backends/tiled_attention.py)."""
 
     def prompt_chunks(self, busy: bool) -> tuple[list[PromptChunk], list[BatchRequest]]:
         """The newcomers' prompt pieces for this pass (prefill riding along): each
         request still reading gets its next piece while the pass's budget lasts (one
-        piece's worth when others decode, so that their pass stays short; all that
-        wait when nobody decodes). Returns the chunks and the requests they belong to."""
+        piece's worth when others decode, so that their pass stays short, the last
+        piece cut to what is left; all that wait when nobody decodes). Returns the
+        chunks and the requests they belong to."""
         chunks, reading, budget = [], [], self.PROMPT_CHUNK if busy else None
         for req in self.running:
             if req.prefilled:
@@ -167,9 +168,9 @@ class BatchRun:
             if req.unread is None:
                 self.decoder.target.use_slot(req.slot)
                 req.unread = self.decoder.target.missing_prompt(req.reply.context)
-            piece = req.unread[:self.PROMPT_CHUNK]
-            if piece and budget is not None and chunks and len(piece) > budget:
-                continue  # the next pass reads it; a piece is never split off its grid
+            piece = req.unread[:self.PROMPT_CHUNK if budget is None else min(self.PROMPT_CHUNK, budget)]
+            if req.unread and not piece:
+                continue  # the pass is full: the next one reads it
             reading.append(req)
             if piece:
                 chunks.append(PromptChunk(req.slot, piece))

@@ -178,7 +178,8 @@ def brief(result: dict) -> dict:
     for quant in ("int4", "bf16"):
         if quant in res:
             streamed = res[quant].get("pass_ms", {}).get("0", {})
-            out[quant] = {k: res[quant].get(k) for k in ("copy_efficiency", "copy_peak_gbps", "error") if k in res[quant]}
+            keys = ("copy_efficiency", "copy_peak_gbps", "error")
+            out[quant] = {k: res[quant][k] for k in keys if k in res[quant]}
             ends = sorted(streamed, key=int)[:1] + sorted(streamed, key=int)[-1:]  # the smallest and largest tree
             out[quant]["pass_ms"] = {size: streamed[size] for size in ends}
     if result.get("records"):  # the tests' own lines: greedy partings and the sampling law

@@ -1,12 +1,13 @@
 """An end-to-end speculative chat on the demo family, the product's shape at toy scale.
 
 The target streams from pinned RAM every pass (target_tier='ram': its layers live in
-pinned host memory on CUDA; the CPU rehearsal streams from disk) and the minion sits in VRAM. Each turn is answered twice,
-greedily: by the speculative engine and by the target alone (our autoregressive, also
-streamed), and the two replies must be the same; a parting is measured (parting.py),
-not hidden. The demo target is 42 MB: a pass is microseconds of GPU work behind a few
-hundred kernel launches, so its tok/s measures launches and Python, not streaming;
-the curve step measures what a 70B's passes cost.
+pinned host memory on CUDA; the CPU rehearsal streams from disk) and the minion sits
+in VRAM. Each turn is answered twice, greedily: by the speculative engine and by the
+target alone (our autoregressive, also streamed), and the two replies must be the
+same; a parting is measured (parting.py), not hidden. The demo target is 42 MB: a
+pass is microseconds of GPU work behind a few hundred kernel launches, so its tok/s
+measures launches and Python, not streaming; the curve step measures what a 70B's
+passes cost.
 """
 
 from __future__ import annotations

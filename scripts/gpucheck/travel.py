@@ -175,7 +175,7 @@ def slim(repo: Path = REPO, *, download: bool = True) -> str:
     exclude = _exclude_file(repo)
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.exists() else []
-    wanted = ["/.gpu/"] + [f"/{p}" for p in paths]
+    wanted = [f"/{p}" for p in paths]  # (.gpu/ itself is in .gitignore)
     exclude.write_text("\n".join(lines + [w for w in wanted if w not in lines]) + "\n")
     leaked = [n for n in listed(repo) if n.startswith(tuple(paths))]
     if leaked:

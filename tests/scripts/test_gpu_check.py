@@ -187,8 +187,8 @@ def test_an_exact_tie_is_a_near_tie(bf16_model):
 def test_docs_gpu_keeps_gpu_runs_and_says_when_the_check_is_due(tmp_path):
     run = tmp_path / "out" / "gpu_check.json"
     run.parent.mkdir()
-    data = {"device": "cuda", "started": "2026-12-01T10:00:00+0000",
-            "code": {"fingerprint": record.code_fingerprint()}, "steps": {"env": {"result": {"gpu": "NVIDIA H100 80GB HBM3"}}}}
+    data = {"device": "cuda", "started": "2026-12-01T10:00:00+0000", "code": {"fingerprint": record.code_fingerprint()},
+            "steps": {"env": {"result": {"gpu": "NVIDIA H100 80GB HBM3"}}}}
     run.write_text(json.dumps(data))
     (run.parent / "curve-70b.png").write_bytes(b"png")
     docs = tmp_path / "docs" / "gpu"

@@ -142,7 +142,8 @@ def drawn_children(logits: torch.Tensor, budget: GrowBudget, tree: CandidateTree
 
 def draw_without_replacement(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
     """Up to k distinct tokens from q, in draw order (fewer when q has fewer tokens)."""
-    uniform = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    # The request's generator is a CPU one (engine/reply.py): draw there, use on q's device.
+    uniform = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300).to(q.device)
     keys = torch.log(q.double()) - torch.log(-torch.log(uniform))
     return torch.topk(keys, min(k, int((q > 0).sum()))).indices.tolist()
 

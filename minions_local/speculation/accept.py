@@ -70,7 +70,7 @@ def accept(
             # Fixed drafts only: draw from the target and descend if the draw is a child
             # (SpecExec's rule). One draw per committed token, whatever the tree: a
             # seeded run's output cannot depend on what the minions proposed.
-            token = int(torch.multinomial(processed_probs(row, params), 1, generator=generator))
+            token = int(torch.multinomial(processed_probs(row, params).cpu(), 1, generator=generator))
             child = None if capped else tree.children[node].get(token)
         else:
             child, token = verify_node(tree, node, processed_probs(row, params), generator)
@@ -107,7 +107,9 @@ def verify_node(tree: TokenTree, node: int, target_probs: torch.Tensor,
         if mass <= RESIDUAL_EPS or _uniform(generator) * q_token < float(p[token]):
             return tree.children[node][token], token
         p = residual / mass
-    return None, int(torch.multinomial(p, 1, generator=generator))
+    # Draws run on the CPU, where a request's generator lives (engine/reply.py), whatever
+    # device computed the logits: a seeded request repeats on any device.
+    return None, int(torch.multinomial(p.cpu(), 1, generator=generator))
 
 
 def _uniform(generator: torch.Generator | None) -> float:

@@ -31,9 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchmarks.chat_prompts import CHAT_PROMPTS  # noqa: E402
+from benchmarks.chat_prompts import CHAT_PROMPTS
 
 READY = re.compile(r"ready on http://127\.0\.0\.1:(\d+)/v1")
 LONG = ("Here are my notes from the week; read them and tell me which three tasks matter most.\n\n"

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from minions_local.backends.hf import CachedModel
-from minions_local.backends.packing import (TIED_HEAD_COPY, onednn_linear, pack_weight, packed_linear,
-                                            packing_is_exact, row_invariant_matmuls)
+from minions_local.backends.packing import (TIED_HEAD_COPY, onednn_linear, pack_weight, packing_is_exact,
+                                            row_invariant_matmuls)
 from minions_local.backends.tiled_attention import KEY_BLOCK, attend_prompt
 
 
@@ -197,7 +197,7 @@ class CompactDecoder:
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_weight(layer[name])
-        self.linear = packed_linear
+        self.linear = onednn_linear
         self._pack_head()
 
     def _pack_head(self) -> None:
@@ -209,7 +209,7 @@ class CompactDecoder:
             self.head_linear = onednn_linear
         elif self.lm_head is not self.embed or self.lm_head.numel() * self.lm_head.element_size() <= TIED_HEAD_COPY:
             self.lm_head = pack_weight(self.lm_head)
-            self.head_linear = packed_linear
+            self.head_linear = onednn_linear
         else:
             self.head_linear = F.linear
 

@@ -19,12 +19,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) on oneDNN with a plain weight (a streamed layer's buffer)."""
+    """x @ weight.T (+ bias) on oneDNN, the weight prepacked (`pack_weight`) or plain (a
+    streamed layer's buffer)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -41,7 +38,7 @@ def row_invariant_matmuls(dtype: torch.dtype, device: torch.device | str) -> boo
         g = torch.Generator().manual_seed(1)
         weight = (torch.randn(160, 96, generator=g) * 0.1).to(dtype)
         x = torch.randn(1, 600, 96, generator=g).to(dtype)
-        for w, linear in ((weight, onednn_linear), (pack_weight(weight), packed_linear)):
+        for w, linear in ((weight, onednn_linear), (pack_weight(weight), onednn_linear)):
             reference = linear(x[:, :2], w)[0, 0]
             for rows in (3, 7, 16, 33, 128, 600):
                 if not torch.equal(linear(x[:, :rows], w)[0, 0], reference):
@@ -71,7 +68,7 @@ def _packed_matches(dtype: torch.dtype) -> bool:
         packed = pack_weight(weight)
         for rows in (1, 3, 17):
             x = torch.randn(1, rows, 64, generator=g).to(dtype)
-            if not torch.equal(F.linear(x, weight, bias), packed_linear(x, packed, bias)):
+            if not torch.equal(F.linear(x, weight, bias), onednn_linear(x, packed, bias)):
                 return False
         return True
     except (RuntimeError, AttributeError):  # a build without these oneDNN ops

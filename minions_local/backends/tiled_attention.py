@@ -16,7 +16,7 @@ softmax that runs block after block (the online form of flash attention). A row'
 running maximum, sum and output depend only on its own scores; a block that is wholly
 masked for it adds exact zeros and scales by exactly 1. Element-wise ops see sizes that
 are multiples of the vector width, so no element falls into a scalar tail. The load
-check (hf_target.check_chunk_invariance) confirms it on the machine at hand.
+check (hf_target.chunking_differs) confirms it on the machine at hand.
 
 It computes in float32 whatever the model's dtype, and costs ~1.3x the fused kernel
 (SmolLM2's shapes, a 1500-token prompt in 512-token chunks on a 2-core AVX-512 EPYC:

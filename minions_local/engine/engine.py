@@ -10,7 +10,6 @@ only runs its new tokens.
 from __future__ import annotations
 
 import contextlib
-
 import gc
 import sys
 import threading

@@ -208,9 +208,10 @@ def _int4_target(model, bytes_streamed: Callable[[], int] | None, release_weight
     compact.decoder.head_varies = model.dtype == torch.float32
     prompt, tree = _probe(int(model.config.vocab_size))
     compact.verify(prompt, tree)
-    rows = compact.decoder.last_hidden.clone()
+    rows, whole = compact.decoder.last_hidden.clone(), prompt_entries(compact, len(prompt) - 1)
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
-    if path_rows_differing(compact, prompt, tree, rows, deepest, hidden=True) or chunking_differs(compact, prompt):
+    if (path_rows_differing(compact, prompt, tree, rows, deepest, hidden=True)
+            or chunking_differs(compact, prompt[:-1], whole)):
         raise ModelLoadError("The int4 kernel does not give a tree's rows the bits of 1-token passes (or a "
                              "prompt's rows the same bits in any chunking) on this machine, so trees or "
                              "cached prompts would change the replies. Set gguf_kernel = "
@@ -241,26 +242,30 @@ def _row_invariant(reference: HFTarget, compact: HFTarget, vocab: int) -> bool:
     what bf16 rounding explains (a wrong forward is off by the logits' whole scale)."""
     prompt, tree = _probe(vocab)
     rows = compact.verify(prompt, tree)
+    whole = prompt_entries(compact, len(prompt) - 1)  # the tree pass's prefix, read in one chunk
     theirs = reference.verify(prompt, tree)
     if not (rows - theirs).abs().max() <= 0.05 * theirs.abs().max() + 1e-3:
         return False
     deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
-    return not path_rows_differing(compact, prompt, tree, rows, deepest) and not chunking_differs(compact, prompt)
+    return not path_rows_differing(compact, prompt, tree, rows, deepest) and not chunking_differs(compact, prompt[:-1],
+                                                                                                  whole)
 
 
-def chunking_differs(target: HFTarget, prompt: list[int]) -> bool:
-    """Whether a prompt's cache entries change with how it is chunked: read whole, then
-    in pieces of 1, 6 and the rest, bit for bit (tiled_attention.py's promise, checked
-    on this machine). Leaves `target`'s cache reset."""
-    kv = target.decoder.slot_kv
+def prompt_entries(target: HFTarget, n: int) -> torch.Tensor:
+    """A copy of the first n cache entries of `target`'s slot in use (every layer)."""
+    return target.decoder.slot_kv.kv[:, :, :, :n].clone()
+
+
+def chunking_differs(target: HFTarget, prompt: list[int], whole: torch.Tensor) -> bool:
+    """Whether a prompt's cache entries change with how it is chunked (tiled_attention.py's
+    promise, checked on this machine): `whole` holds them read in one chunk; here the
+    prompt is read again as a 1-token chunk (the matmuls' single-row path) and the rest
+    (a chunk that starts off its tile's grid), and compared bit for bit. Two passes: at
+    8B size a pass costs seconds of the load. Leaves `target`'s cache reset."""
     target.reset()
-    target.extend(prompt)
-    whole = kv.kv[:, :, :, :len(prompt)].clone()
-    target.reset()
-    for a, b in ((0, 1), (1, 7), (7, len(prompt))):
-        target.extend(prompt[a:b])
-    pieces = kv.kv[:, :, :, :len(prompt)]
-    differs = not torch.equal(whole, pieces)
+    target.extend(prompt[:1])
+    target.extend(prompt[1:])
+    differs = not torch.equal(prompt_entries(target, len(prompt)), whole)
     target.reset()
     return differs
 

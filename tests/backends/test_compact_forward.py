@@ -80,7 +80,10 @@ def test_resident_target_is_exact(dtype):
         target.commit(tree, [0, a])
     if compact:  # ... and each row is the 1-token pass's, bit for bit, ...
         assert_rows_are_one_token_passes(target, context, tree)
-        assert not hf_target.chunking_differs(target, context)  # ... and chunking changes no entry
+        target.reset()  # ... and chunking changes no entry
+        target.extend(context)
+        whole = hf_target.prompt_entries(target, len(context))
+        assert not hf_target.chunking_differs(target, context, whole)
     if compact:  # the module's own copies were released: the weights are held once
         assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
         assert target.weight_bytes() >= sum(p.numel() * p.element_size() for p in ref.model.parameters()) * 0.95
@@ -144,3 +147,19 @@ def test_prefill_computes_the_head_on_its_last_row_only(runner):
     one = ([60], np.ones((1, 1), dtype=bool), [0], len(prompt))
     assert torch.allclose(full.forward(*one), last.forward(*one), atol=1e-5)
     assert last.extend([61, 62, 63]).shape == (1, model.config.vocab_size)
+
+
+def test_the_chunking_check_finds_a_prompt_attention_that_depends_on_the_chunk(monkeypatch):
+    """The load check must be able to fail: here a 1-token chunk's attention rounds
+    otherwise (as torch's fused kernel does for some chunk lengths)."""
+    from minions_local.backends import compact
+
+    target = exact_target(random_model(tiny_config("llama"), 3).to(torch.bfloat16))
+    assert isinstance(target, CompactTarget)
+    context = list(range(3, 40))
+    target.extend(context)
+    whole = hf_target.prompt_entries(target, len(context))
+    real = compact.attend_prompt
+    monkeypatch.setattr(compact, "attend_prompt",
+                        lambda q, k, v, start: real(q, k, v, start) * (1 + 2 ** -6 * (q.shape[2] == 1)))
+    assert hf_target.chunking_differs(target, context, whole)

@@ -7,7 +7,7 @@
    (what a streamed pass does before each layer runs, offload/gguf_planar.py), the same
    from the file's own block layout (offload/gguf_blocks.py), the widening of the same weights from
    bf16 (what today's bf16 stream does on a CPU without bf16 kernels), and the `gguf`
-   package's numpy reference. Also per block type on a 576x1536 / 1536x576 matrix.
+   package's numpy reference.
 2. Bytes per pass: the GGUF layers against the same layers in bf16.
 3. With `--llama-cpp N`: greedy replies (`--tokens` each) to the first N chat prompts,
    ours (the GGUF's weights dequantized exactly, float32) against llama.cpp's on the
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from minions_local.models.gguf_target import open_target
-from minions_local.offload.gguf_blocks import BLOCK_TYPES, block_type, dequantize, integers
+from minions_local.offload.gguf_blocks import block_type, dequantize, integers
 from minions_local.offload.gguf_planar import dequantize_planar, to_planar
 
 
@@ -101,27 +101,6 @@ def per_layer(path: Path, repeats: int) -> dict:
     gguf_bytes = sum(raw.numel() for raw, _, _ in tensors)
     return {"weights": weights, "gguf_bytes": gguf_bytes, "bf16_bytes": 2 * weights,
             **{f"{k}_ms": min(v) for k, v in rounds.items()}}
-
-
-def per_type(repeats: int) -> dict:
-    import gguf
-
-    rng = np.random.default_rng(0)
-    out = {}
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"):
-        shape = (1536, 768) if BLOCK_TYPES[name].block_size == 256 else (1536, 576)
-        weights = rng.normal(size=shape).astype(np.float32) * 0.02
-        if name in ("Q4_K", "Q5_K", "Q6_K"):
-            raw = rng.integers(0, 256, size=BLOCK_TYPES[name].nbytes(shape), dtype=np.uint8)
-        else:
-            raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[name]).view(np.uint8)
-        flat = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
-        planar = to_planar(flat, name, shape)
-        dst = torch.empty(shape)
-        ms = best_ms(lambda: dequantize_planar(planar, name, shape, out=dst), repeats)
-        file_ms = best_ms(lambda: dequantize(flat, name, shape, out=dst), repeats)
-        out[name] = {"ms": ms, "file_layout_ms": file_ms, "gweights_per_s": shape[0] * shape[1] / ms / 1e6}
-    return out
 
 
 def passes(path: Path, n: int) -> dict:
@@ -258,9 +237,8 @@ def main() -> None:
         args.gguf = shipped_gguf()
     target = open_target(args.gguf)
     layer = per_layer(args.gguf, args.repeats)
-    types = per_type(args.repeats)
     result = {"file": args.gguf.name, "threads": args.threads, "layers": target.layers, "layer": layer,
-              "types": types, "cpu": _cpu()}
+              "cpu": _cpu()}
     n_layers = target.layers
     print(f"{args.gguf.name}: {n_layers} layers, {args.threads} thread(s), {result['cpu']}")
     print(f"per layer: {layer['weights'] / 1e6:.2f} M weights, {layer['gguf_bytes'] / 1e6:.2f} MB of blocks "
@@ -271,8 +249,6 @@ def main() -> None:
     print(f"  gguf.quants reference (numpy){layer['reference_ms']:7.2f} ms")
     print(f"  ours / widening {layer['ours_ms'] / layer['widen_bf16_ms']:.2f}x, reference / ours "
           f"{layer['reference_ms'] / layer['ours_ms']:.2f}x")
-    print("per type (1536 rows), planar / file layout:",
-          ", ".join(f"{k} {v['ms']:.2f} / {v['file_layout_ms']:.2f} ms" for k, v in types.items()))
     if args.passes:
         result["passes"] = p = passes(args.gguf, args.passes)
         share = layer["ours_ms"] * n_layers / p["gguf_pass_ms"]

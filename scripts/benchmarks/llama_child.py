@@ -358,16 +358,19 @@ class LlamaCppServer:
         tail = Path(self.log.name).read_text(errors="replace")[-800:]
         raise MethodFailed(f"the llama.cpp child for {self.gguf.name} died ({why}). Its log ends: {tail}")
 
-    def run(self, threads: int, lookup: bool, ids: list[int], max_new: int, temperature: float,
-            seed: int) -> dict:
+    def _start_cold(self) -> None:
+        """As every other disk-tier method starts: squeeze the group down to the child's own
+        memory (the kernel evicts its cached weight pages), then let it grow."""
         if self.group is not None:
-            # Start cold, as every other disk-tier method does: squeeze the group down to the
-            # child's own memory (the kernel evicts its cached weight pages), then let it grow.
             try:
                 self.group.set_limit(self.floor)
             except OSError:
                 pass  # could not reclaim to the floor: it starts a little warm
             self.group.set_limit(self.limit)
+
+    def run(self, threads: int, lookup: bool, ids: list[int], max_new: int, temperature: float,
+            seed: int) -> dict:
+        self._start_cold()
         return self._ask({"op": "run", "threads": threads, "lookup": lookup, "ids": ids, "max_new": max_new,
                           "temperature": temperature, "seed": seed, "drop_cache": self.disk})
 
@@ -412,12 +415,7 @@ class LlamaCppBatchServer(LlamaCppServer):
                   eos_ids: list[int]) -> dict:
         """Per request its tokens and the seconds to its first and last token; the child's
         own wall time ("seconds") and passes. Raises MethodFailed if the child failed."""
-        if self.group is not None:  # start cold, as LlamaCppServer.run does
-            try:
-                self.group.set_limit(self.floor)
-            except OSError:
-                pass
-            self.group.set_limit(self.limit)
+        self._start_cold()
         out = self._ask({"op": "run_batch", "prompts": prompts, "max_new": max_new, "temperature": temperature,
                          "seed": seed, "eos_ids": eos_ids, "drop_cache": self.disk})
         if "error" in out:

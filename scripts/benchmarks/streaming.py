@@ -1,5 +1,5 @@
-"""bench_stream.py's measuring: targets timed pass by pass, bytes streamed over wall
-time, the RAM tier's copy speed against a plain pinned memcpy, and the table.
+"""bench_stream.py's measuring (and gpu_check's curve's): targets timed pass by pass,
+bytes streamed over wall time, and the table.
 
 Every figure comes from short interleaved runs (shared machines make each noisy)."""
 
@@ -18,7 +18,6 @@ import torch
 from benchmarks.stream_bound import StreamBound, stream_bound
 from minions_local.offload.binding import layer_store
 from minions_local.offload.checkpoint import Checkpoint
-from minions_local.offload.layout import aligned_empty
 
 PREFIX = 64
 
@@ -74,12 +73,6 @@ def checkpoint_params(folder: Path) -> int:
     return sum(math.prod(ckpt.shape(name)) for name in ckpt.names())
 
 
-def streamed_gbps(runner: Runner, passes: int) -> tuple[float, float]:
-    """(GB/s achieved, seconds waiting per pass) over back-to-back tree-size-1 passes."""
-    n, t, w = streamed_run(runner, passes)
-    return n / t / 1e9, w / passes
-
-
 def streamed_run(runner: Runner, passes: int) -> tuple[int, float, float]:
     """(bytes streamed, seconds, seconds waiting) of back-to-back tree-size-1 passes.
 
@@ -117,24 +110,6 @@ def engine_pass_bound(engine, raw_gbps: float, passes: int = 8) -> StreamBound |
                         waiting_per_pass=waiting / passes, raw_gbps=raw_gbps)
 
 
-def h2d_check(ram: Runner, passes: int, rounds: int) -> dict:
-    """CUDA: the RAM tier's achieved pinned-host -> GPU speed vs a plain pinned memcpy's."""
-    layer = ram.stats.bytes_per_pass // max(1, ram.stats.layers_streamed // max(1, ram.stats.passes))
-    host = aligned_empty(layer, pin=True)
-    devbuf = torch.empty(layer, dtype=torch.uint8, device=ram.device)
-    peaks, achieved = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(passes):
-            devbuf.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        peaks.append(layer * passes / (time.perf_counter() - t0) / 1e9)
-        achieved.append(streamed_gbps(ram, passes)[0])
-    peak, got = statistics.median(peaks), statistics.median(achieved)
-    return {"h2d_peak_gbps": round(peak, 2), "h2d_achieved_gbps": round(got, 2), "h2d_efficiency": round(got / peak, 3)}
-
-
 def pass_times(runners: list[Runner], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """Median seconds per pass by tree size; the methods interleaved, so load hits all alike."""
     times: dict[str, dict[int, float]] = {r.name: {} for r in runners}
@@ -165,9 +140,6 @@ def print_table(res: dict, sizes: list[int], bound: str) -> None:
     print(f"passes are {bound}")
     print(f"                    ({res['stream_pass_ms']} ms a pass; per-round achieved/raw quartiles "
           f"{res['stream_efficiency_round_quartiles']})")
-    if "h2d_peak_gbps" in res:
-        print(f"pinned RAM -> GPU     peak {res['h2d_peak_gbps']} GB/s, RAM tier achieved {res['h2d_achieved_gbps']} "
-              f"GB/s, efficiency {res['h2d_efficiency']}")
     print(f"compute waited on reads {res['wait_ms_per_pass']} ms per pass; load average {res['loadavg_1m']} "
           f"on {os.cpu_count()} cores (shared machines make every number noisy)")
     print()

@@ -3,8 +3,8 @@
 No checkpoint is read: the resident parts are random, and every streamed decoder layer
 streams from ONE random packed layer held in (pinned) RAM. The bytes moved per pass
 and the compute per layer are those of the real model; the outputs mean nothing. This
-is how `scripts/bench_stream.py --synthetic llama-70b` and scripts/gpu_check.py's curve
-measure a 70B-shaped target on a GPU box without 140 GB of weights on disk.
+is how scripts/gpu_check.py's curve measures a 70B-shaped target on a GPU box without
+140 GB of weights on disk.
 
 Layers kept resident (`resident=R`: the first R) all bind ONE packed copy on the
 compute device: a 70B layer (0.45 GB in int4, 1.7 GB in bf16) is far larger than any
@@ -27,8 +27,6 @@ from minions_local.offload.skeleton import rebuild_meta_buffers
 SHAPES = {
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                       vocab_size=128256, num_hidden_layers=80),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                     vocab_size=128256, num_hidden_layers=32),
     "demo": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8,
                  vocab_size=4096, num_hidden_layers=6),
 }
@@ -99,15 +97,6 @@ class SyntheticStack:
     def _skeleton(self) -> nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, attn_implementation="sdpa")
-
-
-def synthetic_streamed_causal_lm(shape: str, *, layers: int | None = None, quant: str = "int4",
-                                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                                 buffers: int = 2, readers: int | None = None, resident: int = 0,
-                                 seed: int = 0) -> tuple[nn.Module, StreamStats]:
-    """A Llama of `shape` (see SHAPES; `layers` overrides the depth) streaming from RAM."""
-    stack = SyntheticStack(shape, layers=layers, quant=quant, dtype=dtype, device=device, seed=seed)
-    return stack.model(resident, buffers=buffers, readers=readers)
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -25,10 +25,12 @@ def target_features(model, rows: list[dict], out: Path, *, batch_tokens: int = 8
         if len(saved) == len(rows) and all(f.shape[0] == len(r["prompt"]) + len(r["reply"])
                                            for f, r in zip(saved, rows)):
             return saved
+    from drafter.training import batches
+
     features: list[torch.Tensor | None] = [None] * len(rows)
     device = next(model.parameters()).device
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["reply"]))
-    start, done, group = time.perf_counter(), 0, []
+    lengths = [len(r["prompt"]) + len(r["reply"]) for r in rows]
+    start, done = time.perf_counter(), 0
 
     def run(group: list[int]) -> None:
         seqs = [rows[i]["prompt"] + rows[i]["reply"] for i in group]
@@ -42,15 +44,9 @@ def target_features(model, rows: list[dict], out: Path, *, batch_tokens: int = 8
         for b, i in enumerate(group):
             features[i] = hidden[b, :len(seqs[b])].to("cpu", torch.bfloat16).clone()
 
-    for i in order:
-        length = len(rows[i]["prompt"]) + len(rows[i]["reply"])
-        if group and length * (len(group) + 1) > batch_tokens:
-            run(group)
-            done += len(group)
-            group = []
-            log(f"  features {done}/{len(rows)} rows, {time.perf_counter() - start:.0f} s")
-        group.append(i)
-    if group:
+    for group in batches(list(range(len(rows))), lengths, None, batch_tokens):  # similar lengths together
         run(group)
+        done += len(group)
+        log(f"  features {done}/{len(rows)} rows, {time.perf_counter() - start:.0f} s")
     torch.save(features, out)
     return features

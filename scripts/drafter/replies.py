@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.chat_prompts import render  # a user turn with the assistant's reply opened, as the benchmark renders it
+
 
 def load_target(device: str = "cpu"):
     """The target in bf16 as the disk-tier engine computes it, and its tokenizer."""
@@ -27,12 +29,6 @@ def load_target(device: str = "cpu"):
     folder = ensure_folder(lambda event: print(f"  {event.message}", flush=True))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     return model, AutoTokenizer.from_pretrained(folder)
-
-
-def render(tokenizer, message: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
-    return [int(i) for i in ids]
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from benchmarks.raw_reads import read_files_direct
 from benchmarks.stream_bound import stream_bound
-from benchmarks.synthetic import synthetic_streamed_causal_lm
+from benchmarks.synthetic import SyntheticStack
 
 from minions_local.offload import load_streamed_causal_lm
 from minions_local.offload.layout import aligned_empty
@@ -40,7 +40,7 @@ def test_raw_reads_count_every_byte_and_land_where_asked(tmp_path):
 
 
 def test_synthetic_target_streams_its_real_byte_count():
-    model, stats = synthetic_streamed_causal_lm("demo", layers=2, quant="int4", dtype=torch.float32)
+    model, stats = SyntheticStack("demo", layers=2, quant="int4", dtype=torch.float32).model()
     logits = tree_pass_logits(model, steps=1)
     assert all(torch.isfinite(x).all() for x in logits)
     assert stats.bytes_streamed == 2 * stats.bytes_per_pass

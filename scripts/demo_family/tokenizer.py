@@ -14,7 +14,6 @@ starts with it) and EOS (an assistant turn ends with it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -84,10 +83,3 @@ def as_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int) -> PreTrainedTo
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
-
-def save_tokenizer(hf: PreTrainedTokenizerFast, folder: Path) -> list[Path]:
-    """Save into ``folder``; returns the files written."""
-    folder.mkdir(parents=True, exist_ok=True)
-    before = set(folder.iterdir())
-    hf.save_pretrained(str(folder))
-    return sorted(set(folder.iterdir()) - before)

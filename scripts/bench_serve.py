@@ -13,7 +13,10 @@ in one server's life, so that each meets the caches the ones before it left:
   reversed      again, in reverse order
   interleaved   one at a time, each after an unrelated long conversation
   together      all at once (8 clients)
-Then the aggregate tok/s of `together` against `in order`. Ends with one JSON line.
+Then `--rounds` more rounds of (in order, together), back to back, whose replies are
+checked too: the aggregate tok/s of `together` against `in order` is their median ratio
+(a disk tier's read speed drifts within minutes on a shared box; a round's two halves
+meet the same drift). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,6 +92,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="the target's compute dtype (default: the profile's)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (in order, together) for the ratio")
+    ap.add_argument("--server-log", action="store_true", help="print the server's line for each reply (stderr)")
     args = ap.parse_args()
     import openai
 
@@ -98,46 +104,68 @@ def main() -> None:
         proc, port, log = start_server(profile, parallel=len(chats))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
 
-    def ask(m: list[dict]) -> tuple[str, int]:
-        reply = client.chat.completions.create(model="m", messages=m, max_tokens=args.max_new, temperature=0)
-        return reply.choices[0].message.content or "", reply.usage.completion_tokens
+    first_token: dict[str, list[float]] = {}
+    """Seconds from each request to its first streamed text, by mode."""
+
+    def ask(m: list[dict], mode: str = "") -> tuple[str, int]:
+        start, parts, tokens = time.perf_counter(), [], 0
+        for chunk in client.chat.completions.create(model="m", messages=m, max_tokens=args.max_new, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not parts:
+                    first_token.setdefault(mode, []).append(time.perf_counter() - start)
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return "".join(parts), tokens
 
     results: dict[str, dict] = {}
     try:
-        def one_at_a_time(name: str, order: list[int], between: list[dict] | None = None) -> None:
+        def record(name: str, texts: dict[int, str], tokens: int, seconds: float) -> float:
+            parted = [i for i in sorted(texts) if texts[i] != reference[i]]
+            results[name] = {"identical": len(texts) - len(parted), "of": len(texts),
+                             "tok_s": round(tokens / seconds, 2), "parted": parted,
+                             "ttft_s": round(statistics.median(first_token.get(name) or [0.0]), 3)}
+            return tokens / seconds
+
+        def one_at_a_time(name: str, order: list[int], between: list[dict] | None = None) -> float:
             texts, tokens, start = {}, 0, time.perf_counter()
             for i in order:
                 if between is not None:
                     ask(between)
-                texts[i], n = ask(chats[i])
+                texts[i], n = ask(chats[i], name)
                 tokens += n
-            seconds = time.perf_counter() - start
-            same = sum(texts[i] == reference[i] for i in order)
-            results[name] = {"identical": same, "of": len(order), "tok_s": round(tokens / seconds, 2),
-                             "parted": [i for i in order if texts[i] != reference[i]]}
+            return record(name, texts, tokens, time.perf_counter() - start)
+
+        def together(name: str) -> float:
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+                answers = list(pool.map(ask, chats, [name] * len(chats)))
+            return record(name, {i: a[0] for i, a in enumerate(answers)}, sum(a[1] for a in answers),
+                          time.perf_counter() - start)
 
         order = list(range(len(chats)))
         one_at_a_time("in_order", order)
         one_at_a_time("reversed", order[::-1])
         one_at_a_time("interleaved", order, between=[{"role": "user", "content": LONG}])
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
-            answers = list(pool.map(ask, chats))
-        seconds = time.perf_counter() - start
-        results["together"] = {"identical": sum(a[0] == r for a, r in zip(answers, reference)), "of": len(chats),
-                               "tok_s": round(sum(a[1] for a in answers) / seconds, 2),
-                               "parted": [i for i, (a, r) in enumerate(zip(answers, reference)) if a[0] != r]}
+        together("together")
+        ratios = [together(f"together_{r}") / one_at_a_time(f"in_order_{r}", order)
+                  for r in range(1, args.rounds + 1)]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    ratio = results["together"]["tok_s"] / results["in_order"]["tok_s"]
-    print(f"{'mode':<12} {'identical':>9} {'tok/s':>8}  parted")
+    ratio = statistics.median(ratios) if ratios else results["together"]["tok_s"] / results["in_order"]["tok_s"]
+    if args.server_log:
+        print("".join(line for line in log if "tokens in" in line), file=sys.stderr)
+    print(f"{'mode':<12} {'identical':>9} {'tok/s':>8} {'TTFT s':>7}  parted")
     for name, r in results.items():
-        print(f"{name:<12} {r['identical']:>5}/{r['of']:<3} {r['tok_s']:>8.2f}  {r['parted']}")
-    print(f"8 clients at once vs one at a time: x{ratio:.2f}")
+        print(f"{name:<12} {r['identical']:>5}/{r['of']:<3} {r['tok_s']:>8.2f} {r['ttft_s']:>7.3f}  {r['parted']}")
+    spread = f" (rounds: {', '.join(f'x{r:.2f}' for r in ratios)})" if ratios else ""
+    print(f"{len(chats)} clients at once vs one at a time: x{ratio:.2f}{spread}")
     exact = all(r["identical"] == r["of"] for r in results.values())
     print(json.dumps({"profile": args.profile, "dtype": args.dtype or "profile", "max_new": args.max_new,
-                      "modes": results, "together_vs_one_at_a_time": round(ratio, 3), "all_identical": exact}))
+                      "modes": results, "together_vs_one_at_a_time": round(ratio, 3),
+                      "round_ratios": [round(r, 3) for r in ratios], "all_identical": exact}))
 
 
 if __name__ == "__main__":

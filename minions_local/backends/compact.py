@@ -226,6 +226,15 @@ class CompactDecoder:
         kv[:, :, :, :n] = kv.index_select(3, index)
         self.length = n
 
+    @torch.inference_mode()
+    def copy_entries(self, source: KVSlot, start: int, end: int) -> None:
+        """Cache entries start..end of `source` (another sequence's) become the current
+        slot's, which held `start` entries: every layer's keys and values."""
+        slot = self.slot_kv
+        self._reserve(slot, end)
+        slot.kv[:, :, :, start:end] = source.kv[:, :, :, start:end]
+        slot.length = end
+
     # --- forward ---------------------------------------------------------------------
 
     def _layer(self, i: int) -> dict:

@@ -108,9 +108,66 @@ class HFTarget(CachedModel):
 
 
 class SharedPassTarget(CompactModel, HFTarget):
-    """A target on the compact forward: several requests' trees share one pass."""
+    """A target on the compact forward: several requests' trees share one pass.
+
+    A prompt's cache entries are the same bits however it was chunked (row-invariant
+    forward: tiled_attention.py), so a prefix read for one request is exactly what
+    another request whose prompt starts the same way would read: a slot reading a
+    prompt first copies the longest such prefix any other slot holds (every chat shares
+    its template's system prompt). Only prompt entries are lent, never decoded ones
+    (a tree pass's rows are not a prompt read's bits): `_prompt_entries` counts the
+    leading entries of a slot that a prompt read wrote."""
 
     shares_passes = True
+    SLOT_FIELDS = ("_prompt_entries",)
+    _prompt_entries = 0
+
+    def fresh_slot_state(self) -> dict:
+        return super().fresh_slot_state() | {"_prompt_entries": 0}
+
+    def missing_prompt(self, context: list[int]) -> list[int]:
+        self._borrow_prefix(context[:-1])
+        return super().missing_prompt(context)
+
+    def prefill(self, context: list[int]) -> None:
+        self._borrow_prefix(context[:-1])
+        super().prefill(context)
+
+    def extend(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
+        read_as_prompt = self._prompt_entries == self.cache_len
+        logits = super().extend(tokens, chunk)
+        if read_as_prompt:
+            self._prompt_entries = self.cache_len
+        return logits
+
+    def truncate(self, keep: int) -> None:
+        super().truncate(keep)
+        self._prompt_entries = min(self._prompt_entries, keep)
+
+    def reset(self) -> None:
+        super().reset()
+        self._prompt_entries = 0
+
+    def _borrow_prefix(self, prompt: list[int]) -> None:
+        """Copy into the current slot the longest prefix of `prompt` that another slot
+        holds as prompt entries, where it is longer than what this slot holds (and
+        this slot's own are prompt entries too)."""
+        own = common_prefix_len(self.cached, prompt)
+        if not self.decoder.row_invariant or own == len(prompt) or own > self._prompt_entries:
+            return
+        best, donor = own, None
+        for state in self.parked_states():
+            lent = min(common_prefix_len(state["cached"], prompt), state["_prompt_entries"])
+            if lent > best:
+                best, donor = lent, state
+        if donor is None:
+            return
+        self.truncate(own)
+        self.decoder.copy_entries(donor["kv_slot"], own, best)
+        self.cached.extend(prompt[own:best])
+        self._prompt_entries = best
+        features = donor["_features"]
+        self._keep_features(own, features[own:best] if len(features) >= best else None)
 
     def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
         """One pass for every request's tree and every prompt chunk: the weights (a
@@ -140,6 +197,8 @@ class SharedPassTarget(CompactModel, HFTarget):
         for chunk, part in zip(chunks, parts[len(trees):]):
             self.use_slot(chunk.slot)
             kept = len(self.cached)
+            if self._prompt_entries == kept:
+                self._prompt_entries = kept + len(chunk.tokens)
             self.cached.extend(chunk.tokens)
             self._keep_features(kept, part.hidden if self.keep_hidden else None)
         return logits[:len(trees)]

@@ -77,6 +77,11 @@ class SlotStates:
         if state is not None:
             self.release_slot_state(state)
 
+    def parked_states(self) -> list[dict[str, Any]]:
+        """The attributes of every slot other than the one in use (read them, never
+        keep them: they are the slots' own objects)."""
+        return list(self.__dict__.get("_parked", {}).values())
+
     def slots_held(self) -> list[int]:
         """Every slot with state: the one in use and the parked ones."""
         return sorted({self.slot, *self.__dict__.get("_parked", {})})

@@ -87,7 +87,7 @@ class BatchRun:
         self.decoder = engine.decoder
         self.parallel = parallel
         self.pool = SlotPool(parallel)
-        self.decoder.expect_requests(parallel, longest or engine.context_length)
+        self.decoder.expect_requests(parallel, longest)
         self.running: list[BatchRequest] = []
         self.passes = 0
 

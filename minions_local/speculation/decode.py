@@ -222,9 +222,9 @@ class Decoder:
 
     def expect_requests(self, count: int, tokens: int | None = None) -> None:
         """`count` requests of at most `tokens` tokens each will share steps from now on
-        (a batch): minions that share their own passes between requests (GGUF:
-        `share_passes`) make room for them together, so that growing all their trees
-        costs a pass per tree level."""
+        (a batch; tokens None: not known ahead, as a server's): minions that share their
+        own passes between requests (GGUF: `share_passes`) make room for them together,
+        so that growing all their trees costs a pass per tree level."""
         for m in self.minions:
             share = getattr(m, "share_passes", None)
             if share is not None:

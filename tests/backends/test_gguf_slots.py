@@ -230,11 +230,12 @@ def test_a_batch_reads_its_prompts_in_one_pass_as_each_alone(demo_gguf, prompts)
 
 def test_a_batch_shares_contexts_only_while_their_cells_stay_few(demo_gguf):
     """One shared KV cache makes every request's attention span every request's cells:
-    a batch shares contexts up to SHARED_CELLS tokens between its requests."""
+    a batch shares contexts up to SHARED_CELLS tokens between its requests; a server's
+    requests (lengths unknown) share up to SHARED_MOST, as llama.cpp's server does."""
     from minions_local.backends.gguf import GGUFMinion
 
     minion = GGUFMinion(demo_gguf, n_ctx=4096)
-    for requests, tokens, shared in [(8, 200, 8), (16, 200, 8), (3, 100, 3), (8, 3000, 2), (8, None, 2),
+    for requests, tokens, shared in [(8, 200, 8), (16, 200, 8), (3, 100, 3), (8, 3000, 2), (8, None, 8), (16, None, 8),
                                      (8, 10**6, 2), (1, 50, 1)]:
         minion.share_passes(requests, tokens)
         assert minion.shared_requests == shared, (requests, tokens)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minions_local.backends.hf_target import SharedPassTarget, exact_target
-from minions_local.core.protocols import SlotTree
+from minions_local.core.protocols import PromptChunk, SlotTree
 from minions_local.core.tree import TokenTree
 from minions_local.offload import load_streamed_causal_lm
 from tests.helpers.offload_helpers import one_thread, resident, save_tiny
@@ -103,3 +103,43 @@ def test_slots_keep_their_own_caches(tmp_path):
     target.use_slot(3)
     target.reset()
     assert torch.equal(_alone(target, 4, c0, t0), before)
+
+
+def _entries(target, slot: int, n: int) -> torch.Tensor:
+    target.use_slot(slot)
+    return target.decoder.slot_kv.kv[:, :, :, :n].clone()
+
+
+@pytest.mark.parametrize("dtype, tier", [(torch.float32, "device"), (torch.bfloat16, "disk")])
+def test_a_prompt_borrows_the_prefix_another_slot_read_and_gets_the_same_bits(tmp_path, dtype, tier):
+    target = _target(tmp_path, dtype, tier)
+    g = torch.Generator().manual_seed(3)
+    system = [int(t) for t in torch.randint(3, target.vocab_size, (21,), generator=g)]
+    first = system + [int(t) for t in torch.randint(3, target.vocab_size, (7,), generator=g)]
+    second = system + [int(t) for t in torch.randint(3, target.vocab_size, (12,), generator=g)]
+    target.use_slot(1)
+    target.prefill(first)
+    target.use_slot(2)
+    missing = target.missing_prompt(second)
+    assert missing == second[len(system):-1]  # the shared prefix was lent, not read
+    target.verify_batch([], [PromptChunk(2, missing)])
+    lent = _entries(target, 2, len(second) - 1)
+    target.drop_slot(1)
+    target.drop_slot(2)
+    target.use_slot(3)  # nobody left to lend: read from an empty cache
+    assert target.missing_prompt(second) == second[:-1]
+    target.prefill(second)
+    assert torch.equal(_entries(target, 3, len(second) - 1), lent)
+
+
+def test_decoded_entries_are_never_lent(tmp_path):
+    target = _target(tmp_path, torch.bfloat16, "device")
+    (context, tree), = _requests(target.vocab_size)[2:3]
+    target.use_slot(1)
+    target.verify(context, tree)
+    path = [0, *[n for n in range(1, len(tree)) if tree.parents[n] == 0][:1]]
+    target.commit(tree, path)  # slot 1 now holds the prompt, the root and a decoded token
+    decoded = [tree.tokens[n] for n in path]
+    later = context[:-1] + decoded + [5, 6, 7]
+    target.use_slot(2)
+    assert target.missing_prompt(later) == later[len(context) - 1:-1]  # only the prompt's entries

@@ -144,6 +144,7 @@ def test_a_newcomers_prompt_rides_along_in_the_running_requests_passes(families)
     for p in prompts:
         engine.reset()
         alone.append(engine.generate(p, max_new_tokens=24).token_ids)
+    engine.reset()  # else the conversation's cache would lend the newcomer its whole prompt
     run = engine.batch_run(3)
     first = [run.admit(engine.prepare(p, max_new_tokens=24), i) for i, p in enumerate(short)]
     events = run.step() + run.step()  # the two short prompts are read, then decoded

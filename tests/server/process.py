@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,11 +55,14 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
 
-def start_server(*args: str, cwd: Path, timeout: float = 120.0) -> ServerProcess:
-    command = [sys.executable, "-m", "minions_local.server", "--profile", PROFILE, "--port", "0"]
-    for minion in MINIONS:
+def start_server(*args: str, cwd: Path, timeout: float = 120.0, profile: str = PROFILE,
+                 minions: Sequence[str] = MINIONS, one_thread: bool = True) -> ServerProcess:
+    """minions: --minion flags (empty: the profile's own). one_thread: OMP_NUM_THREADS=1
+    (the test family is small; a real model's reference runs on every core, as users do)."""
+    command = [sys.executable, "-m", "minions_local.server", "--profile", profile, "--port", "0"]
+    for minion in minions:
         command += ["--minion", minion]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} | ({"OMP_NUM_THREADS": "1"} if one_thread else {})
     env.pop("MINIONS_API_KEY", None)
     proc = subprocess.Popen([*command, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")

@@ -15,30 +15,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Bottom to top. A module belongs to the first layer whose prefix it starts with.
+# Bottom to top. A module belongs to the layer of its package.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("minions_local.core",)),
     ("models", ("minions_local.models",)),
-    ("profile data", ("minions_local.profile.schema", "minions_local.profile.loader", "minions_local.profile.dims",
-                      "minions_local.profile.writer", "minions_local.profile")),
+    ("profile", ("minions_local.profile",)),
     ("offload", ("minions_local.offload",)),
     ("backends", ("minions_local.backends",)),
     ("speculation", ("minions_local.speculation",)),
-    ("profile views", ("minions_local.profile.report", "minions_local.profile.cost_prior",
-                       "minions_local.profile.cli", "minions_local.profile.__main__")),
+    ("planning", ("minions_local.planning",)),
     ("engine", ("minions_local.engine",)),
     ("front ends", ("minions_local.tui", "minions_local.server")),
 ]
 
 
 def layer_of(module: str) -> int | None:
-    best = None
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (rank, len(prefix))
-    return None if best is None else best[0]
+    for rank, (_, packages) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return rank
+    return None
 
 
 def module_name(path: Path) -> str:

@@ -69,7 +69,7 @@ def _report(kind: str, profile: str, out: TextIO, err: TextIO, *, target: str | 
             minions: list[str] | None = None) -> int:
     """--plan and --list-profiles: the profile package's report, no weights loaded
     (--target and --minion override the profile's models in the plan, as in the chat)."""
-    from minions_local.profile import cli
+    from minions_local.planning import cli
 
     try:
         if kind == "plan":

@@ -214,7 +214,7 @@ class SlashCommands:
 def _profiles_text(current: str) -> str:
     lines = [f"current profile: {current}"]
     try:
-        from minions_local.profile.cli import available_profiles
+        from minions_local.profile import available_profiles
     except ImportError:
         lines.append("(the profile list is not available in this build)")
     else:

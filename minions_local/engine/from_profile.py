@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from minions_local.core.tiers import streams
-from minions_local.offload.plan import MemoryPlan, plan_memory
+from minions_local.planning.memory_plan import MemoryPlan, plan_memory
 from minions_local.profile import Profile, load_profile
 
 
@@ -119,6 +119,6 @@ def budget_policy(profile: Profile, plan: MemoryPlan) -> Any:
     spec = profile.speculation
     if not spec.adaptive:
         return spec.budget
-    from minions_local.profile.cost_prior import budget_from_profile
+    from minions_local.planning.cost_prior import budget_from_profile
 
     return budget_from_profile(profile, plan)

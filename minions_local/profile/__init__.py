@@ -1,7 +1,8 @@
 """Hardware profiles: schema, loading and path resolution, model dimensions.
 
-The lowest layer of the package: pure data, no torch. `minions_local.profile.cli` is the
-public facade (it adds `plan_report`, which needs the planner and the cost model).
+Pure data, no torch, near the bottom of the layers (offload reads it). What a profile
+*means* (its memory plan, the cost model's prior, `--plan`) needs offload and
+speculation, so it lives above them, in `minions_local.planning`.
 """
 
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for

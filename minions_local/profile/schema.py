@@ -1,7 +1,7 @@
 """The hardware profile: what the machine is and which models run where, as data.
 
 A profile is a TOML file validated by these models. Every field says what it means
-(the descriptions are the reference documentation: `python -m minions_local.profile.cli
+(the descriptions are the reference documentation: `python -m minions_local.planning
 --schema` prints them). Unknown keys are errors, so a misspelt field never silently
 falls back to a default.
 

@@ -18,7 +18,7 @@ Expected accepted tokens come from `accepted_by_tree_size` below: an ESTIMATE fr
 simple tree model, not a measurement. Online refinement: `refined(...)` refits the
 coefficients to measured (N, seconds) samples (cost_fit.py).
 
-    model = cost_model_from_profile(load_profile("rtx4090-70b"))   # prior (profile/cost_prior.py)
+    model = cost_model_from_profile(load_profile("rtx4090-70b"))   # prior (planning/cost_prior.py)
     choice = model.best_budget(0.8, max_nodes=512, max_depth=24)  # BudgetChoice
     model = model.refined(verify_samples=[(nodes, seconds), ...])
     # or, as a decoder BudgetPolicy that does all of this online: cost_policy.CostModelBudget

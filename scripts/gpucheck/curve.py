@@ -126,9 +126,9 @@ def projection(quant: str, sizes: list[int], residents: list[int], copy_peak_gbp
     """What the rtx4090-70b profile's prior says a pass takes: by tree size with every
     layer streamed, and by resident layers (1-token and largest trees), for the profile
     as written and, given a copy peak, with it as the host -> device speed."""
-    from minions_local.offload.plan import plan_memory
+    from minions_local.planning.memory_plan import plan_memory
     from minions_local.profile import load_profile
-    from minions_local.profile.cost_prior import verify_prior
+    from minions_local.planning.cost_prior import verify_prior
 
     from minions_local.core.errors import MemoryPlanError
 

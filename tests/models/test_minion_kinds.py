@@ -52,7 +52,7 @@ def test_minions_of_the_target_default_to_its_path_dims_and_a_name(tmp_path):
     assert substitute.path == draft.path == profile.target.path
     assert substitute.dims == profile.target.dims and substitute.backend == "llama_cpp"
     assert (substitute.name, draft.name, draft.backend) == ("q2_k", "self-draft-6", "transformers")
-    from minions_local.offload.plan import plan_memory
+    from minions_local.planning.memory_plan import plan_memory
 
     plan = plan_memory(profile)  # --plan works before the model is converted
     assert plan.minion_dims["self-draft-6"].layers == 6

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from minions_local.core.errors import ProfileError
-from minions_local.profile.cli import available_profiles, load_profile, plan_report
+from minions_local.planning.report import plan_report
+from minions_local.profile import available_profiles, load_profile
 
 SHIPPED = ["cpu-demo", "cpu-demo-disk", "cpu-demo-gguf-disk", "rtx3090-70b", "rtx4070ti-32b", "rtx4090-70b", "rtx4090-70b-gguf",
            "stdlib-demo", "stdlib-demo-disk"]
@@ -147,7 +148,7 @@ def test_plan_report_without_dims_explains(tmp_path):
 
 
 def test_cli_exit_status_and_no_traceback(capsys):
-    from minions_local.profile.cli import main
+    from minions_local.planning.cli import main
 
     assert main(["--plan", "nope"]) == 2
     err = capsys.readouterr().err

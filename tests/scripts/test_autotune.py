@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from autotuning.measure import disk_read_speeds
 
-from minions_local.profile.cost_prior import cost_model_from_profile
-from minions_local.offload.plan import plan_memory
+from minions_local.planning.cost_prior import cost_model_from_profile
+from minions_local.planning.memory_plan import plan_memory
 from minions_local.profile import load_profile
 from minions_local.profile.writer import dumps
 

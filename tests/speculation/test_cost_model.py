@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from minions_local.profile.cost_prior import budget_from_profile, cost_model_from_profile
+from minions_local.planning.cost_prior import budget_from_profile, cost_model_from_profile
 from minions_local.profile import load_profile
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime, accepted_by_tree_size
 

@@ -117,7 +117,7 @@ def test_repl_resume_continues_the_latest(tmp_path):
 
 
 def test_plan_prints_the_profiles_report(monkeypatch):
-    from minions_local.profile import cli
+    from minions_local.planning import cli
 
     monkeypatch.setattr(cli, "plan_report",
                         lambda name, target=None, minions=None: f"plan for {name} {target} {minions}\n")
@@ -132,7 +132,7 @@ def test_plan_prints_the_profiles_report(monkeypatch):
 
 
 def test_plan_reports_profile_errors(monkeypatch):
-    from minions_local.profile import cli
+    from minions_local.planning import cli
 
     def plan_report(name, target=None, minions=None):
         raise ProfileError(f"No profile named '{name}'.")

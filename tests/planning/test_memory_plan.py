@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from minions_local.core.errors import MemoryPlanError
-from minions_local.offload.plan import plan_memory
+from minions_local.planning.memory_plan import plan_memory
 from minions_local.profile import ModelDims, load_profile
 
 GB = 1e9
@@ -115,7 +115,7 @@ def test_streamed_quantization_sets_bytes_per_pass():
 
 
 def test_planning_imports_no_torch():
-    code = ("import sys; from minions_local.profile.cli import plan_report; plan_report('rtx4090-70b'); "
+    code = ("import sys; from minions_local.planning.cli import plan_report; plan_report('rtx4090-70b'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -146,7 +146,7 @@ def test_gguf_minion_sizes_come_from_the_file(tmp_path):
 
 
 def test_cli_reports_a_profile_that_cannot_fit(tmp_path, capsys):
-    from minions_local.profile.cli import main
+    from minions_local.planning.cli import main
     from minions_local.profile.loader import shipped_dir
 
     text = (shipped_dir() / "rtx4090-70b.toml").read_text().replace("device_memory_gb = 24.0", "device_memory_gb = 4.0")
@@ -161,7 +161,7 @@ def test_cli_reports_a_profile_that_cannot_fit(tmp_path, capsys):
 def test_the_plan_counts_the_caches_of_concurrent_requests():
     """Continuous batching: each request holds its own KV caches (target and minions);
     the plan says how much and how many fit beside everything else."""
-    from minions_local.offload.plan import plan_memory
+    from minions_local.planning.memory_plan import plan_memory
     from minions_local.profile import load_profile
 
     cpu = plan_memory(load_profile("cpu-demo-disk"))

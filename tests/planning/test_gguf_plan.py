@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minions_local.core.errors import ProfileError
-from minions_local.offload.plan import plan_memory
+from minions_local.planning.memory_plan import plan_memory
 from minions_local.profile import ModelDims, load_profile
 from minions_local.profile.gguf_sizes import file_layer_bytes, mix_layer_bytes
 from tests.profile.test_profiles import MINIMAL, write

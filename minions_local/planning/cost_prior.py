@@ -8,7 +8,7 @@ where present. Online refinement (CostModel.refined) takes it from there.
 
 from __future__ import annotations
 
-from minions_local.offload.plan import MemoryPlan, plan_memory
+from minions_local.planning.memory_plan import MemoryPlan, plan_memory
 from minions_local.profile.dims import ModelDims
 from minions_local.profile.schema import Profile
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime

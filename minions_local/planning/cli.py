@@ -1,15 +1,14 @@
-"""Hardware profiles: the public entry points, and a small command line.
+"""The command line over profiles: list them, print the schema, or plan one.
 
-    from minions_local.profile.cli import load_profile, available_profiles, plan_report
-    profile = load_profile("rtx4090-70b")          # or a path to a .toml
+    python -m minions_local.planning --list
+    python -m minions_local.planning --plan rtx4090-70b [--target PATH] [--minion PATH ...]
+    python -m minions_local.planning --schema      # every field, with its description
+
+    from minions_local.planning.cli import plan_report
     print(plan_report("rtx4090-70b"))              # what --plan prints
 
-    python -m minions_local.profile.cli --list
-    python -m minions_local.profile.cli --plan rtx4090-70b [--target PATH] [--minion PATH ...]
-    python -m minions_local.profile.cli --schema      # every field, with its description
-
-The implementation lives in `minions_local.profile` (schema, loading, dimensions),
-`minions_local.offload.plan` (memory planner) and `minions_local.speculation.cost`.
+The profiles themselves are `minions_local.profile` (schema, loading, dimensions); the
+plan is `minions_local.planning.memory_plan`, the cost model's prior `.cost_prior`.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import sys
 
 from minions_local.core.errors import MinionsError
 from minions_local.core.tiers import TIERS
-from minions_local.profile import Profile, available_profiles, load_profile
-from minions_local.profile.report import plan_report
+from minions_local.planning.report import plan_report
+from minions_local.profile import available_profiles, load_profile
 
-__all__ = ["Profile", "available_profiles", "load_profile", "plan_report", "schema_reference", "main"]
+__all__ = ["available_profiles", "plan_report", "schema_reference", "main"]
 
 
 def schema_reference() -> str:
@@ -77,7 +76,7 @@ def _type_name(annotation) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minions_local.profile.cli", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minions_local.planning", description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="list available profiles")
     parser.add_argument("--plan", metavar="PROFILE", help="print the memory plan and predicted tokens/s")
     parser.add_argument("--target", help="use this target model instead of the profile's")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence
 
-from minions_local.offload.plan import plan_memory
+from minions_local.planning.cost_prior import cost_model_from_profile
+from minions_local.planning.memory_plan import plan_memory
 from minions_local.profile.loader import load_profile
-from minions_local.profile.cost_prior import cost_model_from_profile
 from minions_local.speculation.cost import CostModel
 
 DEFAULT_ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)

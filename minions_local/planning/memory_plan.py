@@ -23,6 +23,7 @@ from pathlib import Path
 
 from minions_local.core.errors import MemoryPlanError
 from minions_local.core.tiers import TIERS
+from minions_local.planning.capacity import requests_that_fit
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
 from minions_local.profile.gguf_sizes import gguf_layer_bytes, int4_types
 from minions_local.profile.schema import Minion, Profile
@@ -154,12 +155,9 @@ class MemoryPlan:
     def requests_that_fit(self) -> int:
         """Concurrent requests whose caches fit where the first one's are placed (the
         first is in the plan's tables already)."""
-        need = self.kv_per_request
-        if not need:
-            return 1
-        tier = next(p.tier for p in self.placements if p.what.startswith("KV cache"))
+        tier = next((p.tier for p in self.placements if p.what.startswith("KV cache")), "device")
         room = self.budgets.get(tier, 0) - self.bytes_by_tier[tier]
-        return 1 + max(0, room // need)
+        return requests_that_fit(room, self.kv_per_request, placed=1)
 
     def _layer_sum(self, tier: str) -> int:
         return sum(b for t, b in zip(self.layer_tiers, self.layer_bytes) if t == tier)

@@ -60,19 +60,3 @@ def test_the_plan_holds_kv_cache_and_head_in_the_math_dtype(monkeypatch, profile
     assert widened["KV cache target"] == factor * native["KV cache target"]
     assert widened["embeddings + head (tied)"] == factor * native["embeddings + head (tied)"]
     assert {k: v for k, v in widened.items() if "layer" in k} == {k: v for k, v in native.items() if "layer" in k}
-
-
-def test_concurrent_requests_are_sized_by_their_caches(families):
-    """A slot costs the target's KV cache over the whole context window plus each
-    minion's own; the default parallelism is what half the free memory holds (at most 8)."""
-    from minions_local.engine.memory import slot_bytes, slots_that_fit
-
-    fam = families["llama"]
-    engine = Engine.from_pretrained(fam["target"], [fam["close"], "ngram"], dtype="float32")
-    target = engine.decoder.target
-    minion = engine.minions[0].runner
-    expected = (target.kv_bytes_per_token() + minion.kv_bytes_per_token()) * engine.context_length
-    assert slot_bytes(engine) == expected > 0
-    assert slots_that_fit(engine, free=10 * expected) == 5
-    assert slots_that_fit(engine, free=expected) == 1  # never below one
-    assert 1 <= engine.default_parallel() <= 8

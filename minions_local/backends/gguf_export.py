@@ -48,8 +48,8 @@ _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
 
 @dataclass(slots=True)
-class ModelDims:
-    """The part of config.json that becomes GGUF metadata."""
+class GgufHyperparams:
+    """The hyperparameters llama.cpp reads from a GGUF's metadata, taken from config.json."""
 
     architecture: str  # GGUF architecture name
     permute_qk: bool
@@ -84,7 +84,7 @@ class GgufVocab:
     chat_template: str | None = None
 
 
-def read_dims(src: Path) -> ModelDims:
+def read_hyperparams(src: Path) -> GgufHyperparams:
     config = _read_json(src / "config.json")
     arch_names = config.get("architectures") or []
     arch = next((a for a in arch_names if a in _ARCHITECTURES), None)
@@ -105,7 +105,7 @@ def read_dims(src: Path) -> ModelDims:
     if rope_type not in ("default", "linear"):
         raise ModelLoadError(f"{src}: rope scaling '{rope_type}' is not supported by the GGUF export.")
     heads = config["num_attention_heads"]
-    return ModelDims(
+    return GgufHyperparams(
         architecture=gguf_arch,
         permute_qk=permute,
         vocab_size=config["vocab_size"],
@@ -229,7 +229,7 @@ def gguf_tensor_name(hf_name: str) -> str | None:
     return None
 
 
-def iter_tensors(src: Path, dims: ModelDims):
+def iter_tensors(src: Path, hparams: GgufHyperparams):
     """(GGUF name, float32 array) for every tensor, q/k rows permuted where needed."""
     from safetensors import safe_open
 
@@ -245,11 +245,11 @@ def iter_tensors(src: Path, dims: ModelDims):
                     if hf_name.endswith("rotary_emb.inv_freq"):
                         continue  # recomputed from rope_theta
                     raise ModelLoadError(f"{file}: tensor '{hf_name}' has no GGUF counterpart.")
-                if name == "output.weight" and dims.tie_embeddings:
+                if name == "output.weight" and hparams.tie_embeddings:
                     continue
                 array = f.get_tensor(hf_name).float().numpy()
-                if dims.permute_qk and (".attn_q." in name or ".attn_k." in name):
-                    array = _unpermute_rope_rows(array, dims.heads if ".attn_q." in name else dims.kv_heads)
+                if hparams.permute_qk and (".attn_q." in name or ".attn_k." in name):
+                    array = _unpermute_rope_rows(array, hparams.heads if ".attn_q." in name else hparams.kv_heads)
                 yield name, np.ascontiguousarray(array, dtype=np.float32)
 
 
@@ -263,40 +263,40 @@ def export_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, typ
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if type not in ("f32", *_LLAMA_FTYPE):
         raise ValueError(f"unknown GGUF type {type!r}; choose f32, f16, q8_0 or q4_0")
-    dims = read_dims(src)
-    vocab = read_vocab(src, dims.vocab_size, pre_tokenizer)
+    hparams = read_hyperparams(src)
+    vocab = read_vocab(src, hparams.vocab_size, pre_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     if type == "f32":
-        _write_f32(src, out, dims, vocab)
+        _write_f32(src, out, hparams, vocab)
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         f32 = Path(tmp) / "model-f32.gguf"
-        _write_f32(src, f32, dims, vocab)
+        _write_f32(src, f32, hparams, vocab)
         quantize_gguf(f32, out, type, threads=threads)
     return out
 
 
-def _write_f32(src: Path, out: Path, dims: ModelDims, vocab: GgufVocab) -> None:
+def _write_f32(src: Path, out: Path, hparams: GgufHyperparams, vocab: GgufVocab) -> None:
     import gguf
 
-    writer = gguf.GGUFWriter(str(out), dims.architecture)
+    writer = gguf.GGUFWriter(str(out), hparams.architecture)
     writer.add_name(src.name)
     writer.add_file_type(0)  # ALL_F32
-    writer.add_vocab_size(dims.vocab_size)
-    writer.add_context_length(dims.context_length)
-    writer.add_embedding_length(dims.hidden)
-    writer.add_block_count(dims.layers)
-    writer.add_feed_forward_length(dims.intermediate)
-    writer.add_head_count(dims.heads)
-    writer.add_head_count_kv(dims.kv_heads)
-    writer.add_key_length(dims.head_dim)
-    writer.add_value_length(dims.head_dim)
-    writer.add_rope_dimension_count(dims.head_dim)
-    writer.add_rope_freq_base(float(dims.rope_theta))
-    if dims.rope_linear_factor:
+    writer.add_vocab_size(hparams.vocab_size)
+    writer.add_context_length(hparams.context_length)
+    writer.add_embedding_length(hparams.hidden)
+    writer.add_block_count(hparams.layers)
+    writer.add_feed_forward_length(hparams.intermediate)
+    writer.add_head_count(hparams.heads)
+    writer.add_head_count_kv(hparams.kv_heads)
+    writer.add_key_length(hparams.head_dim)
+    writer.add_value_length(hparams.head_dim)
+    writer.add_rope_dimension_count(hparams.head_dim)
+    writer.add_rope_freq_base(float(hparams.rope_theta))
+    if hparams.rope_linear_factor:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(dims.rope_linear_factor))
-    writer.add_layer_norm_rms_eps(float(dims.rms_eps))
+        writer.add_rope_scaling_factor(float(hparams.rope_linear_factor))
+    writer.add_layer_norm_rms_eps(float(hparams.rms_eps))
 
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
     writer.add_tokenizer_pre(vocab.pre_tokenizer)
@@ -310,7 +310,7 @@ def _write_f32(src: Path, out: Path, dims: ModelDims, vocab: GgufVocab) -> None:
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
 
-    for name, array in iter_tensors(src, dims):
+    for name, array in iter_tensors(src, hparams):
         writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from minions_local.core.protocols import CandidateTree, GrowBudget
-from minions_local.backends.gguf_export import export_gguf, read_dims, read_vocab
+from minions_local.backends.gguf_export import export_gguf, read_hyperparams, read_vocab
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
 from tests.helpers.tiny_models import noisy_copy, random_model, save, tiny_config
 
@@ -137,7 +137,7 @@ def test_export_rejects_unsupported(tmp_path, checkpoints):
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="cannot be exported"):
-        read_dims(tmp_path)
+        read_hyperparams(tmp_path)
     with pytest.raises(ModelLoadError, match="config.json is missing"):
         export_gguf(tmp_path / "nowhere", tmp_path / "x.gguf")
     with pytest.raises(ValueError, match="unknown GGUF type"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minions_local.backends.gguf_export import iter_tensors, read_dims, read_vocab
+from minions_local.backends.gguf_export import iter_tensors, read_hyperparams, read_vocab
 
 K_QUANTS = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208])}
 """Bytes per 256-weight block, and where its float16 scales lie."""
@@ -37,21 +37,21 @@ def write_gguf(src: Path, out: Path, layer_type: str = "Q4_1", *, embedding_type
     norms in F32. `skip` leaves tensors out, `architecture` overrides the name in the file."""
     import gguf
 
-    dims = read_dims(src)
-    vocab = read_vocab(src, dims.vocab_size)
-    writer = gguf.GGUFWriter(str(out), architecture or dims.architecture)
+    hparams = read_hyperparams(src)
+    vocab = read_vocab(src, hparams.vocab_size)
+    writer = gguf.GGUFWriter(str(out), architecture or hparams.architecture)
     writer.add_name(src.name)
-    writer.add_context_length(dims.context_length)
-    writer.add_embedding_length(dims.hidden)
-    writer.add_block_count(dims.layers)
-    writer.add_feed_forward_length(dims.intermediate)
-    writer.add_head_count(dims.heads)
-    writer.add_head_count_kv(dims.kv_heads)
-    writer.add_key_length(dims.head_dim)
-    writer.add_value_length(dims.head_dim)
-    writer.add_rope_dimension_count(dims.head_dim)
-    writer.add_rope_freq_base(float(dims.rope_theta))
-    writer.add_layer_norm_rms_eps(float(dims.rms_eps))
+    writer.add_context_length(hparams.context_length)
+    writer.add_embedding_length(hparams.hidden)
+    writer.add_block_count(hparams.layers)
+    writer.add_feed_forward_length(hparams.intermediate)
+    writer.add_head_count(hparams.heads)
+    writer.add_head_count_kv(hparams.kv_heads)
+    writer.add_key_length(hparams.head_dim)
+    writer.add_value_length(hparams.head_dim)
+    writer.add_rope_dimension_count(hparams.head_dim)
+    writer.add_rope_freq_base(float(hparams.rope_theta))
+    writer.add_layer_norm_rms_eps(float(hparams.rms_eps))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(vocab.pre_tokenizer)
     writer.add_token_list(vocab.tokens)
@@ -61,7 +61,7 @@ def write_gguf(src: Path, out: Path, layer_type: str = "Q4_1", *, embedding_type
         getattr(writer, f"add_{role}_token_id")(token_id)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
-    for i, (name, array) in enumerate(iter_tensors(src, dims)):
+    for i, (name, array) in enumerate(iter_tensors(src, hparams)):
         if name in skip:
             continue
         kind = (types or {}).get(name)

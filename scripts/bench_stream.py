@@ -48,7 +48,7 @@ from minions_local.models.demo import DEMO_DIR
 from minions_local.offload import load_streamed_causal_lm
 from minions_local.offload.dtypes import fast_compute_dtype
 from minions_local.offload.layout import aligned_empty
-from minions_local.offload.streamed import resolve_dtype
+from minions_local.offload.streamed import weights_dtype
 
 DEMO_TARGET = DEMO_DIR / "target"
 
@@ -97,7 +97,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     try:
         dev = args.device
-        dtype = resolve_dtype(args.dtype, model_path)
+        dtype = weights_dtype(args.dtype, model_path)
         # The streamed tiers compute as the engine's compute_dtype="auto" does: bf16 layers
         # stay bf16 in the packs (the same bytes per pass) and are widened as each runs.
         compute = fast_compute_dtype(dtype, dev) if args.dtype is None else dtype

@@ -90,7 +90,7 @@ def load_streamed_causal_lm(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     folder = Path(path)
-    dtype = resolve_dtype(dtype, folder)
+    dtype = weights_dtype(dtype, folder)
     if quant not in QUANT_MODES:
         raise ModelLoadError(f"unknown quantization {quant!r}; use one of {', '.join(QUANT_MODES)}.")
     if buffers < 1:
@@ -143,8 +143,9 @@ def load_streamed_causal_lm(
     return model, stats
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
-    """A torch dtype from a dtype, a name, or None (the checkpoint's own dtype)."""
+def weights_dtype(dtype: torch.dtype | str | None, folder: Path) -> torch.dtype:
+    """The dtype a streamed model's weights load in: `dtype` (a dtype or a name), or for
+    None the checkpoint's own (float32 when it names no floating dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:

@@ -24,4 +24,4 @@ def test_stored_integer_dtypes_are_not_compute_dtypes():
     with pytest.raises(ValueError, match="use float32, bfloat16, float16"):
         compute_dtype("int8")
     with pytest.raises(ModelLoadError, match="unknown dtype 'fp8'"):
-        streamed.resolve_dtype("fp8", Path("."))
+        streamed.weights_dtype("fp8", Path("."))

@@ -70,6 +70,25 @@ class GgufHyperparams:
         if not self.head_dim:
             self.head_dim = self.hidden // self.heads
 
+    def add_to(self, writer) -> None:
+        """Write them into a `gguf.GGUFWriter`'s metadata (the vocabulary size aside)."""
+        import gguf
+
+        writer.add_context_length(self.context_length)
+        writer.add_embedding_length(self.hidden)
+        writer.add_block_count(self.layers)
+        writer.add_feed_forward_length(self.intermediate)
+        writer.add_head_count(self.heads)
+        writer.add_head_count_kv(self.kv_heads)
+        writer.add_key_length(self.head_dim)
+        writer.add_value_length(self.head_dim)
+        writer.add_rope_dimension_count(self.head_dim)
+        writer.add_rope_freq_base(float(self.rope_theta))
+        if self.rope_linear_factor:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(self.rope_linear_factor))
+        writer.add_layer_norm_rms_eps(float(self.rms_eps))
+
 
 @dataclass(slots=True)
 class GgufVocab:
@@ -82,6 +101,17 @@ class GgufVocab:
     special_ids: dict[str, int] = field(default_factory=dict)  # bos/eos/unk/pad -> id
     add_bos: bool = False
     chat_template: str | None = None
+
+    def add_to(self, writer) -> None:
+        """Write the tokens, merges and special ids into a `gguf.GGUFWriter`'s metadata
+        (whether to add BOS and the chat template are the caller's)."""
+        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+        writer.add_tokenizer_pre(self.pre_tokenizer)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.token_types)
+        writer.add_token_merges(self.merges)
+        for role, token_id in self.special_ids.items():
+            getattr(writer, f"add_{role}_token_id")(token_id)
 
 
 def read_hyperparams(src: Path) -> GgufHyperparams:
@@ -283,28 +313,8 @@ def _write_f32(src: Path, out: Path, hparams: GgufHyperparams, vocab: GgufVocab)
     writer.add_name(src.name)
     writer.add_file_type(0)  # ALL_F32
     writer.add_vocab_size(hparams.vocab_size)
-    writer.add_context_length(hparams.context_length)
-    writer.add_embedding_length(hparams.hidden)
-    writer.add_block_count(hparams.layers)
-    writer.add_feed_forward_length(hparams.intermediate)
-    writer.add_head_count(hparams.heads)
-    writer.add_head_count_kv(hparams.kv_heads)
-    writer.add_key_length(hparams.head_dim)
-    writer.add_value_length(hparams.head_dim)
-    writer.add_rope_dimension_count(hparams.head_dim)
-    writer.add_rope_freq_base(float(hparams.rope_theta))
-    if hparams.rope_linear_factor:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(hparams.rope_linear_factor))
-    writer.add_layer_norm_rms_eps(float(hparams.rms_eps))
-
-    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre(vocab.pre_tokenizer)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
-    for role, token_id in vocab.special_ids.items():
-        getattr(writer, f"add_{role}_token_id")(token_id)
+    hparams.add_to(writer)
+    vocab.add_to(writer)
     writer.add_add_bos_token(vocab.add_bos)
     writer.add_add_eos_token(False)
     if vocab.chat_template:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -48,6 +48,9 @@ class BatchRequest:
     """Its prompt is in every model's cache: it decodes from the next pass on."""
     unread: list[int] | None = None
     """Prompt tokens the target has yet to read (None: not looked at yet)."""
+    first_chunk: bool = False
+    """Its next prompt chunk is its first (the minions may read its prompt beside that
+    pass: Decoder.step_shared's `shadow`)."""
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -55,14 +58,14 @@ class BatchRequest:
 
 
 class SlotPool:
-    """Slots 1..n for batch requests. A free slot keeps what its last request left in
-    the caches; a new request takes the free slot that shares the longest prefix with
-    its prompt."""
+    """The slots a run's requests take (a batch's 1..n; the conversation's 0). A free
+    slot keeps what its last request left in the caches; a new request takes the free
+    slot that shares the longest prefix with its prompt."""
 
-    def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"a batch needs at least one slot, got {slots}")
-        self.free: dict[int, list[int]] = {slot: [] for slot in range(1, slots + 1)}
+    def __init__(self, slots: Iterable[int]) -> None:
+        self.free: dict[int, list[int]] = {slot: [] for slot in slots}
+        if not self.free:
+            raise ValueError("a run needs at least one slot")
 
     def __len__(self) -> int:
         return len(self.free)
@@ -78,16 +81,28 @@ class SlotPool:
 
 
 class BatchRun:
-    """Requests decoding together on one engine, one shared target pass per `step`."""
+    """Requests decoding together on one engine, one shared target pass per `step`:
+    the one decode loop, for a batch job, the server and a lone `Engine.stream` (a run
+    of one on the conversation's slot)."""
 
-    def __init__(self, engine, parallel: int, longest: int | None = None) -> None:
+    def __init__(self, engine, parallel: int, longest: int | None = None, *, conversation: bool = False) -> None:
         """longest: the most tokens (prompt and reply) a request of this batch may hold
-        (None: the context window, as for a server's requests yet to come)."""
+        (None: not known ahead, as for a server's requests yet to come).
+        conversation: one request at a time on slot 0, the engine's conversation, whose
+        caches outlive the run (a chat's next turn reads only its new tokens)."""
         self.engine = engine
         self.decoder = engine.decoder
-        self.parallel = parallel
-        self.pool = SlotPool(parallel)
-        self.decoder.expect_requests(parallel, longest)
+        self.parallel = 1 if conversation else parallel
+        self.owns_slots = not conversation
+        self.defer_minion_reads = self.parallel > 1
+        """The minions read a request's prompt when it first gets a tree, not with the
+        prompt: among many requests trees may not pay at all (16 requests on a
+        compute-bound CPU), and then reading 16 prompts into the minions is time lost.
+        Alone, they read it beside the target's first chunk on a core to spare, else
+        right after the target (or after the first step, for a long one)."""
+        self.pool = SlotPool([0] if conversation else range(1, parallel + 1))
+        if self.owns_slots:
+            self.decoder.expect_requests(parallel, longest)
         self.running: list[BatchRequest] = []
         self.passes = 0
 
@@ -126,12 +141,12 @@ class BatchRun:
             if decoding or chunks:  # (a newcomer whose slot holds its whole prompt needs no pass)
                 steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
                                      r.prepared.seed is not None, r.slot) for r in decoding]
-                results = self.decoder.step_shared(steps, chunks)
+                starting = [(r.slot, r.reply.context) for r in reading if r.first_chunk]
+                results = self.decoder.step_shared(steps, chunks, shadow=[] if self.defer_minion_reads else starting)
             for req in reading:
-                if not req.unread:  # its prompt is in the target: it decodes next, and the
-                    # minions read it when it first gets a tree (at 16 requests on a
-                    # compute-bound CPU it may never get one: no read is wasted)
-                    self.decoder.prefill_minions(req.reply.context, req.slot, until_a_tree=True)
+                req.first_chunk = False
+                if not req.unread:  # its prompt is in the target: it decodes next
+                    self.decoder.prefill_minions(req.reply.context, req.slot, until_a_tree=self.defer_minion_reads)
                     req.prefilled = True
                     req.reply.prefill_seconds = time.perf_counter() - req.joined_at
         except BaseException:
@@ -168,6 +183,7 @@ class BatchRun:
             if req.unread is None:
                 self.decoder.target.use_slot(req.slot)
                 req.unread = self.decoder.target.missing_prompt(req.reply.context)
+                req.first_chunk = bool(req.unread)
             piece = req.unread[:self.PROMPT_CHUNK if budget is None else min(self.PROMPT_CHUNK, budget)]
             if req.unread and not piece:
                 continue  # the pass is full: the next one reads it
@@ -181,19 +197,29 @@ class BatchRun:
 
     def _finish(self, req: BatchRequest, finish: str | None = None) -> list[tuple[BatchRequest, Event]]:
         self.running.remove(req)
-        if req.prefilled:  # the target keeps only prompt entries (see Engine._run)
+        if req.prefilled:
+            # The target keeps only the prompt's entries: the reference for any later
+            # request is the target reading its whole prompt from an empty cache, and a
+            # prompt's entries are the same bits however it is chunked
+            # (tiled_attention.py), but not a decoding pass's (float64 attention over a
+            # tree). A chat's next turn re-reads this reply: one more prompt chunk.
             self.decoder.use_slot(req.slot)
             self.decoder.target.forget_beyond(req.prepared.ids)
         self.pool.give_back(req.slot, req.prepared.ids[:-1] if req.prefilled else [])
         return [(req, e) for e in req.reply.close(finish)]
 
     def close(self) -> None:
-        """Free every slot's caches (the batch job is over)."""
-        for req in self.running:
-            req.cancelled = True
-        for slot in range(1, self.parallel + 1):
-            self.decoder.release(slot)
-        self.running = []
+        """The run is over: a request still running ends (its caches keep only its
+        prompt's entries, as a finished one's), and a batch frees its slots' caches; the
+        conversation's stay for its next turn."""
+        try:
+            for req in list(self.running):
+                self._finish(req, "cancelled")
+        finally:
+            self.running = []
+            if self.owns_slots:
+                for slot in list(self.pool.free):
+                    self.decoder.release(slot)
 
 
 class BatchProgress:
@@ -218,37 +244,38 @@ class BatchProgress:
         self.bar.close()
 
 
-def run_batch(engine, prepared: list[PreparedRequest], parallel: int, progress: bool) -> Iterator[tuple[int, Event]]:
-    """Engine.stream_batch's loop: holds the engine, admits the prompts in order as
-    slots free up, and yields (prompt index, event). Engine.cancel() ends every
-    request at the next pass (the ones not started yet get an empty, cancelled reply)."""
-    engine._acquire("start a batch")
-    longest = max((len(p.ids) + p.max_new for p in prepared), default=None)
-    run = BatchRun(engine, min(parallel, max(1, len(prepared))), longest)
-    bar = BatchProgress(len(prepared)) if progress else None
-    try:
-        engine._cancel.clear()
-        waiting = list(enumerate(prepared))
-        while waiting or run.running:
-            while waiting and run.has_room:
-                index, req = waiting.pop(0)
-                run.admit(req, index)
-            if engine._cancel.is_set():
-                for req in run.running:
-                    run.cancel(req)
-                for index, req in waiting:
-                    for event in Reply(req, engine.tokenizer, engine.eos_ids).close("cancelled"):
-                        yield index, event
-                waiting = []
-            for req, event in run.step():
-                if bar is not None:
-                    bar.update(event)
-                yield req.tag, event
-    finally:
-        run.close()
-        if bar is not None:
-            bar.close()
-        engine._busy.release()
+def run_requests(engine, prepared: list[PreparedRequest], parallel: int, *, conversation: bool = False,
+                 progress: bool = False, holder: Any = None) -> Iterator[tuple[int, Event]]:
+    """Engine.stream's and stream_batch's loop: holds the engine, admits the requests in
+    order as slots free up, and yields (request index, event). Engine.cancel() ends
+    every request at the next pass (the ones not started yet get an empty, cancelled
+    reply). conversation: one request on the engine's conversation slot. holder: the
+    stream this loop runs in (Engine.holding)."""
+    with engine.holding("start a generation" if conversation else "start a batch", holder):
+        longest = max((len(p.ids) + p.max_new for p in prepared), default=None)
+        run = BatchRun(engine, min(parallel, max(1, len(prepared))), longest, conversation=conversation)
+        bar = BatchProgress(len(prepared)) if progress else None
+        try:
+            waiting = list(enumerate(prepared))
+            while waiting or run.running:
+                while waiting and run.has_room:
+                    index, req = waiting.pop(0)
+                    run.admit(req, index)
+                if engine.cancel_requested:
+                    for req in run.running:
+                        run.cancel(req)
+                    for index, req in waiting:
+                        for event in Reply(req, engine.tokenizer, engine.eos_ids).close("cancelled"):
+                            yield index, event
+                    waiting = []
+                for req, event in run.step():
+                    if bar is not None:
+                        bar.update(event)
+                    yield req.tag, event
+        finally:
+            run.close()
+            if bar is not None:
+                bar.close()
 
 
 def collect(events: Iterator[tuple[int, Event]], count: int) -> list[Generation]:

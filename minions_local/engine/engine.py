@@ -13,7 +13,6 @@ import contextlib
 import gc
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -30,7 +29,7 @@ from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedB
 from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder, StepResult, snapshot
 from minions_local.engine import request
-from minions_local.engine.reply import PreparedRequest, Reply, request_generator
+from minions_local.engine.reply import PreparedRequest
 from minions_local.engine.text import render_chat
 
 Messages = Sequence[dict[str, str]]
@@ -146,14 +145,14 @@ class Engine:
             return dict(self.memory_plan.bytes_by_tier)
         from minions_local.engine.memory import measured_bytes_by_tier
 
-        return measured_bytes_by_tier(self)
+        return measured_bytes_by_tier(self.decoder.target, self.minions)
 
     def memory_plan_text(self) -> str:
         if self.memory_plan is not None and hasattr(self.memory_plan, "format"):
             return self.memory_plan.format()
         from minions_local.engine.memory import describe_placement
 
-        return describe_placement(self)
+        return describe_placement(self.decoder.target, self.minions)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -225,6 +224,15 @@ class Engine:
         events = self._run(prepared, holder)
         holder.stream = weakref.ref(events)
         return events
+
+    def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
+        """One request through the one decode loop (engine/batch.py), on the
+        conversation's slot: its caches stay for the next call."""
+        from minions_local.engine.batch import run_requests
+
+        with contextlib.closing(run_requests(self, [prepared], 1, conversation=True, holder=holder)) as events:
+            for _, event in events:  # (closed early, it ends the request and frees the engine at once)
+                yield event
 
     def prepare(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = 256, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -304,12 +312,10 @@ class Engine:
 
     def default_parallel(self) -> int:
         """Requests a batch runs at once by default: what memory allows for their caches
-        (engine/memory.py), at most 8 on a CPU and 16 on a GPU."""
-        from minions_local.engine.memory import slots_that_fit
+        (planning/capacity.py), at most 8 on a CPU and 16 on a GPU."""
+        from minions_local.planning.capacity import requests_at_once
 
-        cap = 8 if self.decoder.target.device.type == "cpu" else 16
-        planned = getattr(self.memory_plan, "requests_that_fit", cap)
-        return max(1, min(cap, planned, slots_that_fit(self)))
+        return requests_at_once(self.decoder.target, self.minions, self.context_length, self.memory_plan)
 
     @staticmethod
     def _for_request(index: int, work: Callable[[], T]) -> T:
@@ -322,11 +328,11 @@ class Engine:
 
     def _run_batch(self, prepared: list[PreparedRequest], parallel: int | None,
                    progress: bool | None) -> Iterator[tuple[int, Event]]:
-        from minions_local.engine.batch import run_batch
+        from minions_local.engine.batch import run_requests
 
         parallel = request.parallel_arg(parallel) if parallel is not None else self.default_parallel()
         show = progress if progress is not None else len(prepared) > 4 and sys.stderr.isatty()
-        return run_batch(self, prepared, parallel, show)
+        return run_requests(self, prepared, parallel, progress=show)
 
     def _start_token(self) -> int | None:
         """What an empty prompt starts from: the BOS token (id 0 is a token like any other)."""
@@ -364,61 +370,33 @@ class Engine:
         return (f"Cannot {doing}: a generation is running on this engine{where}. Wait for it to end, or call "
                 f"engine.cancel() to stop it after its current target pass.")
 
-    def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
-        self._acquire("start a generation")
-        kept = False
+    @contextlib.contextmanager
+    def holding(self, doing: str, holder: _Holder | None = None) -> Iterator[None]:
+        """Hold the engine while a generation or a batch runs (one at a time: a second
+        caller gets EngineBusyError naming the holder); `cancel()` then asks the holder
+        to stop. `doing` says what a second caller is refused; `holder`: the stream
+        that holds it (for that caller's message)."""
+        self._acquire(doing)
+        holder = holder or _Holder()
         try:
             holder.thread = threading.current_thread().name
             self._holder = holder
             self._cancel.clear()
-            reply = Reply(prepared, self.tokenizer, self.eos_ids)
-            generator = request_generator(prepared.seed)
-            t0 = time.perf_counter()
-            self._guarded(lambda: self.decoder.prefill(reply.context))
-            reply.prefill_seconds = time.perf_counter() - t0
-            while reply.finish is None:
-                if self._cancel.is_set():
-                    reply.finish = "cancelled"
-                    break
-                result = self._guarded(lambda: self.decoder.step(reply.context, prepared.params, generator,
-                                                                  reply.remaining,
-                                                                  reproducible=prepared.seed is not None))
-                self.keep_tree(result)
-                yield from reply.add(result.tokens, result.record)
-            self._keep_prompt_only(prepared.ids)
-            kept = True
-            yield from reply.close()
+            yield
         finally:
-            if not kept:  # closed mid-reply (GeneratorExit) or failed: no decoded entry stays either
-                with contextlib.suppress(Exception):  # (a failure has reset the caches already)
-                    self._keep_prompt_only(prepared.ids)
             self._holder = None
             self._busy.release()
 
-    def _keep_prompt_only(self, prompt: list[int]) -> None:
-        """Drop the reply's cache entries: the next request re-reads them as prompt.
-
-        The reference for any later request is the target reading its whole prompt
-        from an empty cache, and a prompt's entries are the same bits however it is
-        chunked (tiled_attention.py), but not the same as a decoding pass's (float64
-        attention over a tree). So the cache holds prompt entries only, and a chat's
-        next turn re-reads the last reply: one more prompt chunk."""
-        self._guarded(lambda: self.decoder.target.forget_beyond(prompt))
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether `cancel()` asked the running generation or batch to stop."""
+        return self._cancel.is_set()
 
     def keep_tree(self, result: StepResult) -> None:
         """Attach a display copy of the verified tree to the step's record (the TUI's
         tree view), where the decoder keeps trees."""
         if self.decoder.keep_trees:
             result.record.tree = snapshot(result, self.minion_names, self._token_text)
-
-    def _guarded(self, work: Callable[[], Any]) -> Any:
-        """Run model work; if it is interrupted half-way (Ctrl-C, an error), the caches
-        may be half-written, so drop them: the next call re-prefills, nothing is lost."""
-        try:
-            return work()
-        except BaseException:
-            self.decoder.reset()
-            raise
 
     def _token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])

@@ -106,7 +106,7 @@ class CostModelBudget:
             return self._last
         # The answer only changes when the model is refit: between refits, reuse it
         # (the search is ~1 ms of Python, a few percent of a small step).
-        self._last = self._alone(depth_cap, regime)
+        self._last = self._own_pass_budget(depth_cap, regime)
         if self._last.nodes == 0:
             self._idle += 1
             if self._idle >= self.probe_every:
@@ -176,13 +176,13 @@ class CostModelBudget:
         trees in shared passes (`share_growing`) are priced once a level for all."""
         curves, depth_tables, growing = [], [], []
         for cap, regime, read_share in mix:
-            alone = self._alone(cap, regime) if cap else None
-            if alone is None or alone.nodes == 0:
+            own = self._own_pass_budget(cap, regime) if cap else None
+            if own is None or own.nodes == 0:
                 curves.append(TreeCurve((0.0,), (0.0,), (0,)))
                 depth_tables.append((0,))
                 growing.append((0.0,))
                 continue
-            gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), alone.nodes, alone.depth,
+            gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), own.nodes, own.depth,
                                                   self.top_k, self.decays[regime])
             own_model = self._expected_model(regime, shared=False)
             grow = [0.0] + [own_model.t_grow(n, depths[n]) for n in range(1, len(gains))]
@@ -228,7 +228,7 @@ class CostModelBudget:
             per_node += sum(g.per_token * runs.get(g.name, 1.0) for g in shared) / len(regimes)
         return SharedGrowing(base, per_node, min(self.grow_groups[g.name] for g in shared))
 
-    def _alone(self, depth_cap: int, regime: str) -> StepBudget:
+    def _own_pass_budget(self, depth_cap: int, regime: str) -> StepBudget:
         """The best tree for one request by itself, cached as `choose` caches it (the
         search is ~4 ms: a split of 16 requests must not redo it 16 times a pass)."""
         key = (depth_cap, regime)

@@ -33,7 +33,7 @@ from minions_local.speculation.accept import accept, check_finite, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget
 from minions_local.speculation.growing import Growth, GrowJob, grow_all, new_job
-from minions_local.speculation.lanes import Lane, SharedPass, StepRequest
+from minions_local.speculation.lanes import Lane, PromptRead, SharedPass, StepRequest
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled
 
@@ -58,8 +58,8 @@ class _Plan:
     growth: Growth
     weights: list[float]
     tree: TokenTree
-    alone: bool
-    """The minions have not read the prompt: the target decodes this step alone (the
+    minions_unread: bool
+    """The minions have not read the prompt: the target decodes this step by itself (the
     tokens it commits are the minions' to read later, with the prompt)."""
     t_grow: float
 
@@ -102,37 +102,6 @@ class Decoder:
     reads it in 1.5 s, the q3_k_m substitute in 2.7 s. Below this, one tree-less step
     costs more than the wait it saves."""
 
-    def prefill(self, context: list[int], slot: int = 0) -> None:
-        """Bring every model's cache for `slot` up to the prompt (reusing what each
-        already has).
-
-        On a CPU with a core to spare, the minions read the prompt on it while the
-        target does: a prompt's time-to-first-token is then the target's prefill alone.
-        Without one, a long prompt's first token comes from the target alone, and the
-        minions read it before the second step (`MINIONS_READ_LATER`).
-        """
-        self.use_slot(slot)
-        lane = self.lanes.setdefault(slot, Lane())
-        if not self.minions or not _spare_core(self.target):
-            self.target.prefill(context)
-            self.prefill_minions(context, slot)
-            return
-        threads = torch.get_num_threads()
-
-        def minions_read() -> None:
-            # OpenMP's thread count is per OS thread: a new thread would start at one
-            # per core and oversubscribe the CPU (measured: 0.59x instead of 1.35x).
-            torch.set_num_threads(threads)
-            self._minions_read([(slot, lane, context)], beside_target=True)
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minion-prefill") as pool:
-            minions = pool.submit(minions_read)
-            try:
-                self.target.prefill(context)
-            finally:
-                wait([minions])  # never leave a thread writing minion caches behind an error
-            minions.result()
-
     def prefill_minions(self, context: list[int], slot: int, *, until_a_tree: bool = False) -> None:
         """The minions' part of `prefill`, once the target's cache holds the prompt (a
         prompt read in shared passes, engine/batch.py): read it now, or, when it is long,
@@ -145,10 +114,12 @@ class Decoder:
         self._minions_use(slot)
         lane = self.lanes.setdefault(slot, Lane())
         unread = lane.unread(context)
-        if self.minions and unread and until_a_tree:
-            lane.prompt_unread = "until a tree"
+        if not unread:  # read beside the target's pass (step_shared's `shadow`), or held already
+            lane.prompt = PromptRead.DONE
+        elif self.minions and until_a_tree:
+            lane.prompt = PromptRead.AT_FIRST_TREE
         elif self.minions and unread >= self.MINIONS_READ_LATER:
-            lane.prompt_unread = "first step"
+            lane.prompt = PromptRead.AFTER_FIRST_STEP
         else:
             self._minions_read([(slot, lane, context)])
 
@@ -162,7 +133,7 @@ class Decoder:
         start = time.perf_counter()
         for _, lane, context in reads:
             lane.minions_saw = list(context)
-            lane.prompt_unread = None
+            lane.prompt = PromptRead.DONE
         for m in self.minions:
             together = None if beside_target else getattr(m, "prefill_batch", None)
             if together is not None:
@@ -194,7 +165,7 @@ class Decoder:
     def _backlog(self, lane: Lane, context: list[int]) -> int:
         """Tokens decoded without a tree that the minions read before their next one
         (0: none, or fewer than CATCH_UP, which the tree's first pass reads)."""
-        if lane.prompt_unread is not None:
+        if lane.prompt is not PromptRead.DONE:
             return 0
         unread = lane.unread(context)
         return unread if unread >= self.CATCH_UP else 0
@@ -203,7 +174,7 @@ class Decoder:
         """What reading the context the minions have not seen would cost now."""
         if self.read_seconds_per_token is None:
             return 0.0
-        unread = lane.unread(context) if lane.prompt_unread == "until a tree" else self._backlog(lane, context)
+        unread = lane.unread(context) if lane.prompt is PromptRead.AT_FIRST_TREE else self._backlog(lane, context)
         return unread * self.read_seconds_per_token
 
     def use_slot(self, slot: int) -> None:
@@ -272,7 +243,8 @@ class Decoder:
         request = StepRequest(context, params, generator, remaining, reproducible, slot)
         return self.step_shared([request])[0]
 
-    def step_shared(self, requests: Sequence[StepRequest], chunks: Sequence[PromptChunk] = ()) -> list[StepResult]:
+    def step_shared(self, requests: Sequence[StepRequest], chunks: Sequence[PromptChunk] = (),
+                    shadow: Sequence[tuple[int, list[int]]] = ()) -> list[StepResult]:
         """One target pass for several requests (each on its own slot): every request's
         tree is grown and voted in turn, the target verifies them all at once, and each
         is accepted and committed on its own. Each request's tokens are what it would
@@ -280,17 +252,21 @@ class Decoder:
         on who shares the pass: compact.py forward_parts).
 
         chunks: newcomers' prompt pieces that ride along in the same pass (their slots'
-        target caches grow by them; nothing is decoded for them)."""
+        target caches grow by them; nothing is decoded for them).
+        shadow: (slot, context) of the requests whose first prompt chunk is in this
+        pass: when nobody decodes and a core is free, the minions read those prompts
+        beside the target's pass, so that a lone prompt's first token waits for the
+        target's read alone (else prefill_minions reads them after)."""
         if not requests:
             if chunks:
-                self.target.verify_batch([], chunks)
+                self._prompt_pass(chunks, shadow)
             return []
         t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
         budgets = self._budgets(requests)
         t_policy = time.perf_counter() - t0
         due = self._reads_due(requests, budgets)
-        prompts = [read for read in due if read[1].prompt_unread is not None]
-        backlog = [read for read in due if read[1].prompt_unread is None]
+        prompts = [read for read in due if read[1].prompt is not PromptRead.DONE]
+        backlog = [read for read in due if read[1].prompt is PromptRead.DONE]
         t_read = self._timed_read(prompts)
         t_catch_up = self._timed_read(backlog)
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
@@ -314,6 +290,29 @@ class Decoder:
         return [self._learn(plan, path, bonus, ahead_nodes, shared) for plan, (path, bonus, ahead_nodes) in
                 zip(plans, outcomes)]
 
+    def _prompt_pass(self, chunks: Sequence[PromptChunk], shadow: Sequence[tuple[int, list[int]]]) -> None:
+        """A pass of prompt chunks alone; `shadow`'s prompts read by the minions beside
+        it on a core of their own, where there is one (step_shared)."""
+        reads = [(slot, self.lanes.setdefault(slot, Lane()), context) for slot, context in shadow]
+        if not reads or not self.minions or not _spare_core(self.target):
+            self.target.verify_batch([], chunks)
+            return
+        threads = torch.get_num_threads()
+
+        def minions_read() -> None:
+            # OpenMP's thread count is per OS thread: a new thread would start at one
+            # per core and oversubscribe the CPU (measured: 0.59x instead of 1.35x).
+            torch.set_num_threads(threads)
+            self._minions_read(reads, beside_target=True)
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="minion-prefill") as pool:
+            minions = pool.submit(minions_read)
+            try:
+                self.target.verify_batch([], chunks)
+            finally:
+                wait([minions])  # never leave a thread writing minion caches behind an error
+            minions.result()
+
     def _timed_read(self, reads: list[tuple[int, Lane, list[int]]]) -> float:
         """The minions read `reads` (_minions_read); the seconds it took (0.0: nothing to read)."""
         if not reads:
@@ -329,7 +328,7 @@ class Decoder:
         asking = []
         for i, r in enumerate(requests):
             lane = self.lanes.setdefault(r.slot, Lane())
-            if not self.minions or lane.prompt_unread == "first step":
+            if not self.minions or lane.prompt is PromptRead.AFTER_FIRST_STEP:
                 chosen[i] = StepBudget(0, 0, 1)
             else:
                 asking.append(i)
@@ -352,8 +351,8 @@ class Decoder:
         due = []
         for r, b in zip(requests, budgets):
             lane = self.lanes.setdefault(r.slot, Lane())
-            if lane.prompt_unread == "read now" or (b.nodes > 0 and (
-                    lane.prompt_unread == "until a tree" or self._backlog(lane, r.context))):
+            if lane.prompt is PromptRead.BEFORE_NEXT_STEP or (b.nodes > 0 and (
+                    lane.prompt is PromptRead.AT_FIRST_TREE or self._backlog(lane, r.context))):
                 due.append((r.slot, lane, r.context))
         return due
 
@@ -373,28 +372,24 @@ class Decoder:
         """Vote one request's grown proposals into the tree the target verifies."""
         start = time.perf_counter()
         lane = self.lanes[request.slot]
-        alone = lane.prompt_unread is not None
-        if lane.prompt_unread == "first step":
-            lane.prompt_unread = "read now"
+        minions_unread = lane.prompt is not PromptRead.DONE
+        if lane.prompt is PromptRead.AFTER_FIRST_STEP:
+            lane.prompt = PromptRead.BEFORE_NEXT_STEP
         tree = self._vote(request.context[-1], job.growth, job.weights, budget, sampled=job.sampled)
         t_grow = t_own + sum(job.growth.seconds) + time.perf_counter() - start
-        return _Plan(request, budget, job.growth, job.weights, tree, alone, t_grow)
+        return _Plan(request, budget, job.growth, job.weights, tree, minions_unread, t_grow)
 
     def _verify(self, plans: list[_Plan], chunks: Sequence[PromptChunk] = ()) -> list[tuple[list[int], int, int]]:
         """The target's pass over every plan's tree, then each request's acceptance and
         the target's commit: (accepted path, bonus token, nodes grown ahead) per plan.
         Only a lone request's minions grow ahead (ahead.py): with several, the pass
         is shared and so is the core it would take."""
-        alone = len(plans) == 1 and not chunks
-        ahead = self._grow_ahead(plans[0].growth, plans[0].budget) if alone else None
+        own_pass = len(plans) == 1 and not chunks
+        ahead = self._grow_ahead(plans[0].growth, plans[0].budget) if own_pass else None
         try:
             with core_for_minions(self.target, ahead is not None):
-                if alone:
-                    self.target.use_slot(plans[0].request.slot)
-                    all_logits = [self.target.verify(plans[0].request.context, plans[0].tree)]
-                else:
-                    all_logits = self.target.verify_batch(
-                        [SlotTree(p.request.slot, p.request.context, p.tree) for p in plans], chunks)
+                all_logits = self.target.verify_batch(
+                    [SlotTree(p.request.slot, p.request.context, p.tree) for p in plans], chunks)
             if ahead is not None:
                 ahead.close()  # the accept below overlaps the minion pass in flight
             outcomes = []
@@ -417,7 +412,7 @@ class Decoder:
         t_verify, requests = shared.t_verify, shared.requests
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         selector = self.selector(r.regime)
-        if plan.alone:  # the minions have not read the prompt: nothing to commit, nothing to learn
+        if plan.minions_unread:  # the minions have not read the prompt: nothing to commit, nothing to learn
             contributed = [0] * len(self.minions)
         else:
             self._minions_use(r.slot)

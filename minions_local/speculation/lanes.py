@@ -4,6 +4,7 @@ between steps (one Lane per slot: core/slots.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -31,15 +32,26 @@ class StepRequest:
         return "greedy" if self.params.greedy else "seeded" if self.reproducible else "sampled"
 
 
+class PromptRead(Enum):
+    """Where the minions stand with a request's prompt."""
+
+    DONE = "read"
+    """Their caches hold it (or nothing is waiting)."""
+    AFTER_FIRST_STEP = "after the first step"
+    """A long prompt: the target gives the first token alone, and they read it next."""
+    BEFORE_NEXT_STEP = "before the next step"
+    """The first step has run: they read the prompt before the second."""
+    AT_FIRST_TREE = "at its first tree"
+    """A batch request: they read it when it first gets a tree, and the target decodes
+    it alone until then (among many requests trees may never pay)."""
+
+
 @dataclass
 class Lane:
     """What the decoder remembers of one slot between steps."""
 
-    prompt_unread: str | None = None
-    """A prompt the minions have not read (`prefill`, `prefill_minions`): None, "first
-    step" (a long one: the target gives the first token alone), "read now" (before
-    the second step) or "until a tree" (a batch request: read when it first gets a
-    tree, and the target decodes it alone until then)."""
+    prompt: PromptRead = PromptRead.DONE
+    """Where the minions stand with the request's prompt (`prefill_minions`)."""
     minions_saw: list[int] = field(default_factory=list)
     """The context the minions' caches were last brought to."""
 

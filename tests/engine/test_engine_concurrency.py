@@ -29,16 +29,16 @@ def reference(families):
 
 
 def _held_in_a_step(engine, monkeypatch):
-    """Make the next target pass wait inside decoder.step until `release` is set."""
+    """Make the next target pass wait inside decoder.step_shared until `release` is set."""
     inside, release = threading.Event(), threading.Event()
-    real_step = engine.decoder.step
+    real_step = engine.decoder.step_shared
 
     def step(*args, **kwargs):
         inside.set()
         assert release.wait(10)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(engine.decoder, "step", step)
+    monkeypatch.setattr(engine.decoder, "step_shared", step)
     return inside, release
 
 

@@ -32,8 +32,8 @@ def no_work(engine, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model ran for a request that should have been refused")
 
-    monkeypatch.setattr(engine.decoder, "prefill", refuse)
-    monkeypatch.setattr(engine.decoder, "step", refuse)
+    monkeypatch.setattr(engine.decoder, "step_shared", refuse)  # every pass, a prompt's too
+    monkeypatch.setattr(engine.decoder, "prefill_minions", refuse)
 
 
 BAD_ARGUMENTS = [

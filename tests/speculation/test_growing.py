@@ -4,6 +4,7 @@ time, and each request's proposals are what a step of its own would get."""
 
 from __future__ import annotations
 
+from minions_local.core.protocols import PromptChunk
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.decode import Decoder
 from minions_local.speculation.lanes import StepRequest
@@ -131,7 +132,8 @@ def test_tokens_decoded_without_trees_are_read_before_the_next_tree_not_in_its_g
     minion = ReadingMinion("model")
     decoder = Decoder(ChainTarget(), [minion], ScriptedPolicy([2, 0, 2, 0, 0, 0, 2]), selection="all")
     context = [1, 2, 3]
-    decoder.prefill(context)
+    decoder.step_shared([], [PromptChunk(0, context[:-1])], shadow=[(0, context)])
+    decoder.prefill_minions(context, 0)  # a lone prompt's read, on a box with no core to spare
     assert minion.reads == [3]
     minion.reads, lengths = [], []
     for _ in range(7):

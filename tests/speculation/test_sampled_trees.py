@@ -181,7 +181,7 @@ def test_sampled_step_records_draft_entries(two_minion_family):
     target_dir, close_dir, rough_dir, _ = two_minion_family
     engine = Engine.from_pretrained(target_dir, [close_dir, rough_dir], budget=8, max_depth=3)
     ids = [3, 7, 1]
-    engine.decoder.prefill(ids)
+    engine.generate(ids, max_new_tokens=1)  # every model's cache holds the prompt
     result = engine.decoder.step(ids, SamplingParams(1.0), torch.Generator().manual_seed(0), 4)
     tree = result.tree
     assert tree.drafts and tree.draft_size <= 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from minions_local.core.protocols import CandidateTree
+from minions_local.core.protocols import CandidateTree, PromptChunk
 from minions_local.backends.hf import CachedModel
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.accept import accept
@@ -145,8 +145,9 @@ def test_cache_keep_entries_matches_fresh_run(families):
     assert torch.allclose(nxt, ref[-1], atol=1e-4)
 
 
-def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behind(monkeypatch):
-    """Minions prefill in a worker while the target does; an error in either waits for both."""
+def test_a_lone_prompt_pass_lets_the_minions_read_on_a_spare_core_and_never_leaves_a_thread_behind(monkeypatch):
+    """Minions read a prompt in a worker while the target's pass reads its first chunk;
+    an error in either waits for both."""
     import threading
     import time
 
@@ -160,9 +161,10 @@ def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behi
         def __init__(self, fail):
             self.fail = fail
 
-        def prefill(self, context):
+        def verify_batch(self, trees, chunks=()):
             if self.fail:
                 raise KeyboardInterrupt  # Ctrl-C while the target reads the prompt
+            return []
 
         def use_slot(self, slot):
             pass
@@ -181,11 +183,12 @@ def test_prefill_reads_the_prompt_on_a_spare_core_and_never_leaves_a_thread_behi
     for fail in (False, True):
         minion = SlowMinion()
         decoder = decode.Decoder(Target(fail), [minion], FixedBudget(4, 2))
+        prompt_pass = lambda: decoder.step_shared([], [PromptChunk(0, [1, 2])], shadow=[(0, [1, 2, 3])])  # noqa: E731
         if fail:
             with pytest.raises(KeyboardInterrupt):
-                decoder.prefill([1, 2, 3])
+                prompt_pass()
         else:
-            decoder.prefill([1, 2, 3])
+            prompt_pass()
         assert minion.done  # the worker finished before prefill returned or raised
         assert minion.thread is not threading.main_thread()
 

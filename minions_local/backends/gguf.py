@@ -28,8 +28,8 @@ distribution under the request's settings (backends/frontier.drawn_children), as
 transformers minions draw theirs: a draft drawn from a law close to the target's is
 accepted far more often than the minion's top token. On cpu-demo-disk with the
 q3_k_m substitute, T=0.7, 7 chat prompts x 96 tokens, drawn against top tokens,
-interleaved, four runs: 3.41-3.83 -> 3.65-4.53 tokens per pass, 1.05-1.29x tok/s
-(mean 1.17x). Such a tree is not grown ahead: its draws belong to its step.
+interleaved, four runs: 3.41-3.83 -> 3.65-4.53 tokens per pass, 1.05-1.29x tok/s (mean
+1.17x). Such a tree is not grown ahead: its draws belong to its step.
 
 Requests (core/slots.py): each slot owns a block of sequence ids in a llama.cpp
 context on the one loaded model (backends/llama_context.py), so every sequence, KV
@@ -37,10 +37,8 @@ cell and logits row above belongs to one request, and a request's trees are what
 they would be alone. By default each request has a context of its own, which is not
 free (`slot_bytes`): 236 MiB for the default substitute, most of it the logits rows
 and the compute buffer sized for 256 sequences and 512-token prompt chunks, and
-~0.2 s to make. With `requests_per_context` > 1 requests share a context, those
-costs once, and `grow_batch` runs one pass per tree level for all of them. A batch
-asks for that (`share_passes`: up to 8 requests and 8192 tokens to a context; slot 0,
-the conversation, keeps its own; speculation/growing.py has what it saves).
+~0.2 s to make. Requests sharing a context (`share_passes`; slot 0, the conversation,
+keeps its own) pay those once, and `grow_batch` runs one pass per tree level for all.
 """
 
 from __future__ import annotations
@@ -231,17 +229,14 @@ class GGUFMinion(SlotStates):
     (2-core AVX2 EPYC); at chat lengths sharing pays 1.4-1.7x."""
 
     def share_passes(self, requests: int, tokens: int | None = None) -> None:
-        """`requests` requests of at most `tokens` tokens each will decode together (a
-        batch): the contexts made for slots from now on hold as many of them as
-        SHARED_MOST and SHARED_CELLS allow, for grow_batch to run their trees one pass
-        per level for all of them. A shared context's KV cache (n_ctx tokens a request)
-        is allocated whole with its first request; its logits and compute buffers once.
-
-        tokens None: lengths not known ahead (a server's requests). They share contexts
-        up to SHARED_MOST, as llama.cpp's own server shares one cache among its slots:
-        requests are mostly chat-length, where sharing pays most (8 chats, cpu-demo-disk,
-        AVX-512 EPYC: 84-98 tok/s in one context against 21-68 in four of two), and a
-        long one slows only its context-mates' grow passes (2x at 3000 tokens each)."""
+        """`requests` requests of at most `tokens` tokens each (None: not known, as a
+        server's) will decode together: the contexts made for slots from now on hold as
+        many as SHARED_MOST and SHARED_CELLS allow (unknown lengths: SHARED_MOST, as in
+        llama.cpp's server; chats are short, where it pays most: 8 on cpu-demo-disk, 84-98
+        tok/s against 21-68 in contexts of 2; a long one slows its mates' grows), for
+        grow_batch to run their trees one pass per level for all of them. A shared
+        context's KV cache (n_ctx tokens a request) is allocated whole with its first
+        request; its logits and compute buffers once."""
         fit = self.SHARED_MOST if tokens is None else self.SHARED_CELLS // max(1, min(tokens, self.n_ctx))
         self.shared_requests = max(1, min(requests, self.SHARED_MOST, fit))
 

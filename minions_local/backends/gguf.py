@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from minions_local.core.errors import MemoryPlanError, ModelLoadError, VocabularyMismatchError
+from minions_local.core.minion import BaseMinion
 from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
 from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children, top_children
@@ -63,7 +64,7 @@ from minions_local.backends.llama_context import (KV_TYPES, MAX_SEQUENCES, Llama
 _MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
 
 
-class GGUFMinion(SlotStates):
+class GGUFMinion(SlotStates, BaseMinion):
     """A minion backed by a .gguf file.
 
     Keyword arguments:
@@ -99,6 +100,7 @@ class GGUFMinion(SlotStates):
 
     depth_is_free = False  # a deeper tree takes more llama_decode passes
     grows_ahead = True
+    grows_batches = True  # the requests of one llama.cpp context share its passes
     SLOT_FIELDS = ("_request",)
     """A request's sequence ids in a llama.cpp context, and what they hold."""
 
@@ -130,8 +132,9 @@ class GGUFMinion(SlotStates):
         self.n_threads = threads
         self.grow_threads = grow_threads or max(threads, min(os.cpu_count() or 1, _MAX_GROW_THREADS))
         self.requests_per_context = requests_per_context
-        self.shared_requests = requests_per_context
-        """Blocks of the contexts made for batch slots (see share_passes)."""
+        self.requests_per_pass = requests_per_context
+        """Requests whose trees one grow_batch pass grows, those of one context: the
+        blocks of the contexts made for batch slots (see share_passes)."""
         self.n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         self._kv_type, self._tree_runs, self._n_ctx = kv_type, tree_runs, n_ctx
         self.tree_runs = runs_per_block(tree_runs, requests_per_context)
@@ -213,11 +216,6 @@ class GGUFMinion(SlotStates):
             self.use_slot(back)
         return trees
 
-    @property
-    def requests_per_pass(self) -> int:
-        """Requests whose trees one grow_batch pass grows: those of one shared context."""
-        return self.shared_requests
-
     SHARED_MOST = 8
     """Most requests in one context: each runs at most 256 // 8 - 1 = 31 tree nodes per
     grow (ample for trees shared 8 ways; more requests go to a second context)."""
@@ -238,7 +236,7 @@ class GGUFMinion(SlotStates):
         context's KV cache (n_ctx tokens a request) is allocated whole with its first
         request; its logits and compute buffers once."""
         fit = self.SHARED_MOST if tokens is None else self.SHARED_CELLS // max(1, min(tokens, self.n_ctx))
-        self.shared_requests = max(1, min(requests, self.SHARED_MOST, fit))
+        self.requests_per_pass = max(1, min(requests, self.SHARED_MOST, fit))
 
     # --- one state per request (core/slots.py) ------------------------------------------
 
@@ -248,7 +246,7 @@ class GGUFMinion(SlotStates):
         meets another's."""
         block = next(filter(None, (c.take() for c in self._contexts)), None)
         if block is None:
-            block = self._new_context(self.shared_requests if self._contexts else self.requests_per_context).take()
+            block = self._new_context(self.requests_per_pass if self._contexts else self.requests_per_context).take()
         return super().fresh_slot_state() | {"_request": RequestTree(block)}
 
     def release_slot_state(self, state: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget
+from minions_local.core.minion import BaseMinion
+from minions_local.core.protocols import CandidateTree, GrowBudget
 from minions_local.backends.compact import CompactModel, PassPart, supports
 from minions_local.backends.frontier import Frontier, drawn_children
 from minions_local.backends.hf import CachedModel
@@ -29,17 +30,20 @@ class CompactMinion(CompactModel):
     exact = False  # a minion's rounding need not match anyone's: the target decides
 
 
-class HFMinion:
+class HFMinion(BaseMinion):
     depth_is_free = False  # a deeper tree takes more forward passes
     shares_passes = True
     """Whether grow_batch/prefill_batch run several requests in one compact pass (a
     subclass whose passes take more than tokens, as FeatureMinion's do, says no)."""
     grows_ahead = False  # its passes would compete with the target's for torch's threads
-    # No `requests_per_pass`: the cost model prices its grows request by request, as
-    # before grow_batch. Priced as shared passes (speculation/row_budget.py), the
-    # server soak's 16-request batches grew far more trees through it and the server's
-    # memory kept rising for five rounds of 64 requests (72-137 MiB the second round,
-    # against ~11 priced alone) before levelling off: where it goes is not found yet.
+    grows_batches = True
+    requests_per_pass = 1
+    # Its grows are priced request by request, as before grow_batch, though one compact
+    # pass holds them all (passes_per_level). Priced as shared passes
+    # (speculation/row_budget.py), the server soak's 16-request batches grew far more
+    # trees through it and the server's memory kept rising for five rounds of 64
+    # requests (72-137 MiB the second round, against ~11 priced alone) before levelling
+    # off: where it goes is not found yet.
 
     def __init__(self, model, name: str, compact: bool = True, release_weights: bool = False) -> None:
         """release_weights: with the compact forward, drop the transformers modules'
@@ -76,7 +80,7 @@ class HFMinion:
         chunks share passes of the compact forward (the weights run once over every
         request's rows), at most PREFILL_ROWS rows a pass."""
         runner = self.runner
-        if not self.shares_passes or not isinstance(runner, CompactModel):
+        if not self._passes_shared():
             for slot, context in requests:
                 runner.use_slot(slot)
                 self.prefill(list(context))
@@ -127,7 +131,7 @@ class HFMinion:
         (a row's rounding may differ in a pass shared with others: a minion's need
         not match anyone's). Without the compact forward, one request after another."""
         runner = self.runner
-        if not self.shares_passes or not isinstance(runner, CompactModel):
+        if not self._passes_shared():
             return [self._grow_on(slot, context, budget) for slot, context, budget in requests]
         trees: list[CandidateTree] = [CandidateTree() for _ in requests]
         roots: list[tuple[int, int, PassPart]] = []
@@ -167,6 +171,15 @@ class HFMinion:
             trees[i] = g.done()
         return trees
 
+    def passes_per_level(self, requests: int) -> int:
+        """One compact pass a tree level holds every request; without the compact
+        forward (or where passes take more than tokens), grow_batch goes request by
+        request."""
+        return 1 if self._passes_shared() else requests
+
+    def _passes_shared(self) -> bool:
+        return self.shares_passes and isinstance(self.runner, CompactModel)
+
     ROOT_CHUNK = 64
     """Tokens to catch up beyond which a request's root runs alone (in grow_batch's
     root pass, a few accepted tokens and the root are what a request brings)."""
@@ -198,9 +211,6 @@ class HFMinion:
                    base_pos: int) -> torch.Tensor:
         """Logits of one tree-masked pass over `batch`'s nodes."""
         return self.runner.forward([tree.tokens[n] for n in batch], anc, depths, base_pos)
-
-    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
-        return 0
 
     def commit(self, accepted: list[int]) -> None:
         # Nothing to keep eagerly: the next grow() keeps the longest common prefix and

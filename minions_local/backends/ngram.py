@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from minions_local.core.errors import ModelLoadError
-from minions_local.core.protocols import AheadWindow, CandidateTree, GrowBudget, common_prefix_len
+from minions_local.core.minion import BaseMinion
+from minions_local.core.protocols import CandidateTree, GrowBudget, common_prefix_len
 from minions_local.core.slots import SlotStates
 
 _SPEC_KEYS: dict[str, Callable[[str], Any]] = {
@@ -133,7 +134,7 @@ class _TrieNode:
     children: dict[int, "_TrieNode"] = field(default_factory=dict)
 
 
-class NGramMinion(SlotStates):
+class NGramMinion(SlotStates, BaseMinion):
     """Prompt-lookup minion; each request (slot) indexes its own context, the corpus
     is shared. Keyword arguments:
 
@@ -202,10 +203,6 @@ class NGramMinion(SlotStates):
             raise ModelLoadError(f"n-gram corpus {corpus_path} does not exist: check the path in {spec!r}.")
         return cls.from_text_file(corpus_path, encode, **kwargs)
 
-    def prefill(self, context: list[int]) -> None:
-        # The index follows the context given to grow(), which indexes a new prompt then.
-        pass
-
     def grow(self, context: list[int], budget: GrowBudget) -> CandidateTree:
         tree = CandidateTree()
         if budget.max_nodes <= 0 or budget.max_depth <= 0 or not context:
@@ -213,9 +210,6 @@ class NGramMinion(SlotStates):
         self._context.sync(context)
         trie = self._vote(context, budget.max_depth)
         return self._best_first(trie, budget, tree)
-
-    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
-        return 0
 
     def commit(self, accepted: list[int]) -> None:
         # The index follows the context given to grow(): nothing to do until then.

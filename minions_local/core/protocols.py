@@ -114,17 +114,15 @@ class AheadWindow:
 
 @runtime_checkable
 class Minion(Protocol):
-    """A small model (or cheap heuristic) that proposes continuations."""
+    """A small model (or cheap heuristic) that proposes continuations: what a minion
+    object must have. Every optional capability (serving several requests on slots of
+    its own, growing ahead, growing or reading several requests in one pass) has a
+    default in core/minion.py `BaseMinion`, which every minion in backends/ inherits
+    and whose adapter gives a minion that does not (a user's own) the same defaults."""
 
     name: str
     vocab_size: int
     """Token ids it can propose (0: any id; the n-gram minion proposes ids it has seen)."""
-    depth_is_free: bool
-    """True for a minion whose grow time does not grow with depth (the n-gram minion):
-    it then grows to the step's depth cap, not the depth the cost model chose."""
-    grows_ahead: bool
-    """True for a minion that can go on growing its last tree while the target verifies
-    it (grow_ahead), and start its next tree from what it grew."""
 
     def prefill(self, context: list[int]) -> None:
         """Catch up on a new prompt before the first step, reusing what is cached, so
@@ -138,13 +136,6 @@ class Minion(Protocol):
         is valid."""
         ...
 
-    def grow_ahead(self, budget: GrowBudget, window: AheadWindow) -> int:
-        """Called on a second thread while the target verifies the last grow()'s tree
-        (only where grows_ahead): keep growing that tree within `budget` while `window`
-        allows, so that if the target's bonus token lands on a grown node, the next
-        grow() starts from the subtree below it. Returns the nodes added."""
-        ...
-
     def commit(self, accepted: list[int]) -> None:
         """The target accepted `accepted` (draft path tokens + the bonus token) after
         the last grow(). Keep what is reusable from the tree, drop the rest."""
@@ -153,16 +144,6 @@ class Minion(Protocol):
     def reset(self) -> None:
         """Forget all cached state."""
         ...
-
-    # Optional (not part of the runtime check): `use_slot(slot)` makes `slot`'s state (one
-    # request's caches, tables, grown tree; 0: the engine's conversation) the one that
-    # prefill/grow/commit/reset act on, and `drop_slot(slot)` frees a finished
-    # request's. Every minion here has them (core/slots.py); one without them still
-    # serves several requests, re-reading a context after each switch.
-    # `grow_batch([(slot, context, budget), ...])` grows several requests' trees together,
-    # and `requests_per_pass` says how many of them one of its passes holds (a pass per
-    # tree level for each group of that many; 1: request by request): the cost model
-    # prices such a pass once for all of them (speculation/row_budget.py).
 
 
 @dataclass(slots=True)

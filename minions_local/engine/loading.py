@@ -1,22 +1,27 @@
-"""Turning paths into ready models: the target, each minion, and the checks between them."""
+"""Turning paths into ready models: the target, each minion, and the checks between them.
+
+A minion or budget policy object of a user's own is taken as it is, wrapped to answer
+what the decode step asks it and it lacks (`as_minion`, `as_policy`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
+from minions_local.core.minion import BaseMinion, as_minion
 from minions_local.core.protocols import Minion
 from minions_local.offload.dtypes import fast_compute_dtype
 from minions_local.backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
-from minions_local.core.events import LoadProgress
+from minions_local.core.events import LoadProgress, StepRecord
 from minions_local.core.tiers import TIERS, streams
 from minions_local.engine.text import load_tokenizer
+from minions_local.speculation.budget import BudgetPolicy, StepBudget
 
 Progress = Callable[[LoadProgress], None]
 
@@ -140,12 +145,14 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
-                dtype: torch.dtype | None, device: str, progress: Progress | None, target: Any = None) -> Minion:
+                dtype: torch.dtype | None, device: str, progress: Progress | None,
+                target: Any = None) -> BaseMinion:
     """A minion from a spec: an HF folder, a .gguf file, 'ngram', 'eagle[:FILE]', a
-    MinionSpec, or a ready Minion object. `target`: the loaded target (a feature
+    MinionSpec, or a ready Minion object (one of a user's own is wrapped to answer the
+    capabilities it lacks: core/minion.py). `target`: the loaded target (a feature
     drafter reads its features and shares its embeddings)."""
-    if isinstance(spec, Minion) and not isinstance(spec, (str, Path)):
-        return spec
+    if isinstance(spec, (BaseMinion, Minion)) and not isinstance(spec, (str, Path)):
+        return as_minion(spec)
     options = spec if isinstance(spec, MinionSpec) else MinionSpec(str(spec))
     from minions_local.models.drafter import weights_named
 
@@ -174,7 +181,7 @@ def prepare_builtin(path: str | Path, progress: Progress | None) -> Path:
 
 
 def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
-                 dtype: torch.dtype | None, device: str, progress: Progress | None) -> Minion:
+                 dtype: torch.dtype | None, device: str, progress: Progress | None) -> BaseMinion:
     text = spec.path
     if spec.kind == "substitute":
         minion = _load_substitute(spec, progress, device)
@@ -222,7 +229,7 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
 
 
 def _load_feature_drafter(path: str, name: str | None, target_path: Path, target: Any,
-                          progress: Progress | None) -> Minion:
+                          progress: Progress | None) -> BaseMinion:
     """A feature drafter on the loaded target's embeddings, head and features."""
     from minions_local.backends.eagle import FeatureMinion, FeatureRunner
     from minions_local.models import drafter
@@ -248,7 +255,7 @@ def _load_feature_drafter(path: str, name: str | None, target_path: Path, target
     return minion
 
 
-def _load_substitute(spec: MinionSpec, progress: Progress | None, device: str) -> Minion:
+def _load_substitute(spec: MinionSpec, progress: Progress | None, device: str) -> BaseMinion:
     """The target re-quantized by llama.cpp (made once into the cache), as a GGUF minion."""
     from minions_local.backends.gguf import GGUFMinion, import_llama_cpp
     from minions_local.backends.substitute import substitute_gguf
@@ -317,7 +324,7 @@ def _base_vocab(tokenizer) -> dict[str, int]:
     return backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.get_vocab()
 
 
-def unique_names(minions: list[Minion]) -> None:
+def unique_names(minions: list[BaseMinion]) -> None:
     seen: dict[str, int] = {}
     for m in minions:
         n = seen.get(m.name, 0)
@@ -326,8 +333,49 @@ def unique_names(minions: list[Minion]) -> None:
             m.name = f"{m.name}#{n + 1}"
 
 
+class PolicyAdapter(BudgetPolicy):
+    """A budget policy that does not inherit BudgetPolicy (a user's own): its own
+    members where it has them, BudgetPolicy's defaults where it does not."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["policy"], name)
+
+    @property
+    def uses_timed_passes(self) -> bool:  # type: ignore[override]
+        # One with a calibrate of its own was always given the timed passes.
+        return getattr(self.policy, "uses_timed_passes", callable(getattr(self.policy, "calibrate", None)))
+
+    def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
+        return self.policy.choose(remaining_tokens, regime=regime)
+
+    def observe(self, record: StepRecord) -> None:
+        self.policy.observe(record)
+
+    def choose_shared(self, requests: Sequence[tuple[int, str, float]]) -> list[StepBudget]:
+        own = getattr(self.policy, "choose_shared", None)
+        return own(requests) if own is not None else super().choose_shared(requests)
+
+    def share_growing(self, groups: dict[str, int]) -> None:
+        if (own := getattr(self.policy, "share_growing", None)) is not None:
+            own(groups)
+
+    def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],
+                  verify_samples: Sequence[tuple[int, float]] = ()) -> None:
+        if (own := getattr(self.policy, "calibrate", None)) is not None:
+            own(grow_samples, verify_samples)
+
+
+def as_policy(policy: Any) -> BudgetPolicy:
+    """`policy` itself when it inherits BudgetPolicy, else wrapped to answer what it lacks."""
+    return policy if isinstance(policy, BudgetPolicy) else PolicyAdapter(policy)
+
+
 def context_limit(target: HFTarget) -> int:
     return context_length(target.model.config)
 
 
-__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "context_limit", "ModelLoadError"]
+__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "as_policy", "context_limit",
+           "ModelLoadError"]

@@ -3,7 +3,7 @@
 A streamed target's pass waits on reads, and on a CPU one torch thread keeps up with
 them (measured on SmolLM2 from disk, 16-node trees: 74 ms a pass with 2 threads,
 72-76 ms with 1). So while the target verifies step t, a minion that can
-(`Minion.grows_ahead`) goes on growing step t's tree, best first, on the core the
+(`BaseMinion.grows_ahead`) goes on growing step t's tree, best first, on the core the
 target leaves free. When the target's bonus token lands on a node it grew, step t+1
 starts from the subtree below that node instead of from nothing: Minions' and
 SPIN's pipelined drafting, with the bet spread over every likely outcome by the
@@ -31,7 +31,8 @@ from typing import Iterator
 
 import torch
 
-from minions_local.core.protocols import AheadWindow, GrowBudget, Minion, Target
+from minions_local.core.minion import BaseMinion
+from minions_local.core.protocols import AheadWindow, GrowBudget, Target
 
 AHEAD_WIDTH = 2
 """Nodes per minion pass while growing ahead: a pass is what the target waits for
@@ -47,7 +48,7 @@ def ahead_budget(nodes: int, depth: int, top_k: int) -> GrowBudget:
 class GrowingAhead:
     """The minions' ahead-growing for one target pass, on a thread of its own."""
 
-    def __init__(self, minions: list[Minion], budget: GrowBudget, verify_seconds: float) -> None:
+    def __init__(self, minions: list[BaseMinion], budget: GrowBudget, verify_seconds: float) -> None:
         """verify_seconds: how long the target's pass is expected to take; a minion
         pass that would outlast it does not start (the decode loop would wait on it)."""
         self.window = AheadWindow(time.perf_counter() + verify_seconds)
@@ -56,7 +57,7 @@ class GrowingAhead:
         self._thread = threading.Thread(target=self._run, args=(minions, budget), name="minions-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, minions: list[Minion], budget: GrowBudget) -> None:
+    def _run(self, minions: list[BaseMinion], budget: GrowBudget) -> None:
         try:
             for m in minions:
                 self.nodes += m.grow_ahead(budget, self.window)

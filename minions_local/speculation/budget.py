@@ -8,7 +8,7 @@ offload-aware cost model is one such policy (cost.py); the simple ones live here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping, Sequence
 
 from minions_local.core.events import StepRecord
 
@@ -57,12 +57,36 @@ with a seed: the drafts stay the minions' top tokens, so the output cannot depen
 the tree and the seed reproduces it, at a lower acceptance)."""
 
 
-class BudgetPolicy(Protocol):
+class BudgetPolicy:
+    """What the decoder asks a budget policy: `choose` and `observe` are its own; the
+    rest have the defaults of a policy that prices nothing (FixedBudget, AdaptiveDepth),
+    which the cost model's policy overrides (cost_policy.py)."""
+
+    uses_timed_passes = False
+    """Whether `calibrate` folds in the minions' and the target's timed passes: only
+    then are they timed at load (calibration.calibrate_policy)."""
+
     def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
         """`regime`: one of REGIMES (acceptance differs between them)."""
-        ...
+        raise NotImplementedError
 
-    def observe(self, record: StepRecord) -> None: ...
+    def observe(self, record: StepRecord) -> None:
+        """A step's record, after the step."""
+
+    def choose_shared(self, requests: Sequence[tuple[int, str, float]]) -> list[StepBudget]:
+        """Budgets for requests that share one target pass, each given as (remaining
+        tokens, regime, seconds its minions would take to read what they have not read
+        yet): each request's own choice, as if alone."""
+        return [self.choose(remaining, regime=regime) for remaining, regime, *_ in requests]
+
+    def share_growing(self, groups: dict[str, int]) -> None:
+        """Per minion that grows a batch's trees in its own passes, the requests the
+        cost model may price one pass to hold (Decoder.expect_requests): nothing to
+        price here."""
+
+    def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],
+                  verify_samples: Sequence[tuple[int, float]] = ()) -> None:
+        """Timed passes (calibration.py), for a policy that `uses_timed_passes`."""
 
 
 def width_for(nodes: int, depth: int) -> int:
@@ -78,7 +102,7 @@ def grow_shape(nodes: int, depth: int) -> tuple[int, int]:
 
 
 @dataclass
-class FixedBudget:
+class FixedBudget(BudgetPolicy):
     """The same tree size every step (also what `minions=[]` uses with nodes=0)."""
 
     nodes: int = 32
@@ -89,12 +113,9 @@ class FixedBudget:
         nodes = self.nodes if depth else 0
         return StepBudget(nodes=nodes, depth=depth, width=width_for(nodes, depth))
 
-    def observe(self, record: StepRecord) -> None:
-        pass
-
 
 @dataclass
-class AdaptiveDepth:
+class AdaptiveDepth(BudgetPolicy):
     """Depth follows the accepted length (HF assisted generation's +2/-1 rule, for trees).
 
     When the whole depth was accepted, go deeper; otherwise back off by one. The node

@@ -25,9 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from minions_local.core.events import LoadProgress
+from minions_local.core.minion import BaseMinion
 from minions_local.core.protocols import GrowBudget, Minion, Target
 from minions_local.core.tree import TokenTree
-from minions_local.speculation.budget import grow_shape
+from minions_local.speculation.budget import BudgetPolicy, grow_shape
 
 SHAPES = ((2, 2), (16, 2), (32, 2))
 """(nodes, depth) of the timed trees: passes of width 1, 8 and 16 after the first."""
@@ -95,20 +96,20 @@ def _no_gc_pause() -> Iterator[None]:
             gc.enable()
 
 
-def calibrate_policy(policy, minions: Sequence[Minion], vocab: int,
+def calibrate_policy(policy: BudgetPolicy, minions: Sequence[BaseMinion], vocab: int,
                      progress: Callable[[LoadProgress], None] | None = None,
                      target: Target | None = None) -> dict[str, list[tuple[int, float]]]:
     """Time the minions whose passes cost something, and the target's pass when given
-    (under the key "target"), and fold the samples into a cost-model policy's prior
-    (any other policy, or no minions, is left alone). Returns the samples."""
-    calibrate = getattr(policy, "calibrate", None)
-    if calibrate is None or not minions:
+    (under the key "target"), and fold the samples into the prior of a policy that
+    `uses_timed_passes` (any other policy, or no minions, is left alone). Returns the
+    samples."""
+    if not policy.uses_timed_passes or not minions:
         return {}
     samples = {m.name: _reported(progress, m.name, lambda m=m: time_grow_passes(m, vocab))
                for m in minions if not m.depth_is_free}
     verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab)) if target is not None else []
     if samples or verify:
-        calibrate(samples, verify)
+        policy.calibrate(samples, verify)
     return samples | ({"target": verify} if verify else {})
 
 

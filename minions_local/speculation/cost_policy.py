@@ -33,15 +33,17 @@ from collections.abc import Sequence
 from statistics import median
 
 from minions_local.core.events import StepRecord
-from minions_local.speculation.budget import REGIMES, StepBudget, grow_shape, width_for
+from minions_local.speculation.budget import REGIMES, BudgetPolicy, StepBudget, grow_shape, width_for
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
 from minions_local.speculation.realized import RealizedRates
 from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, shared_seconds, split_rows
 
 
 @dataclass
-class CostModelBudget:
-    """BudgetPolicy: the cost model's best budget under the calibrated acceptance rate."""
+class CostModelBudget(BudgetPolicy):
+    """The cost model's best budget under the calibrated acceptance rate."""
+
+    uses_timed_passes = True
 
     model: CostModel
     min_nodes: int = 1

@@ -7,7 +7,8 @@ target verifies in a single pass.
 The decoder knows nothing about text: it moves token ids and returns a stats record
 per target pass. With no minions (or a zero budget) the tree is the root alone and
 a step is exactly one autoregressive target step, through the same code. It speaks
-to the models only through the `Target` and `Minion` protocols.
+to the models only through the `Target` protocol and the `BaseMinion` interface
+(core/minion.py).
 
 Greedy steps take the top-N of the merged tree. Sampled steps let the minions draw
 their proposals (each within its own share of the budget, see vote.py) with a draft
@@ -26,7 +27,8 @@ from typing import Sequence, TypeVar
 import torch
 
 from minions_local.core.events import StepRecord, TreeSnapshot
-from minions_local.core.protocols import Minion, PromptChunk, SlotTree, Target
+from minions_local.core.minion import BaseMinion
+from minions_local.core.protocols import PromptChunk, SlotTree, Target
 from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept, check_finite, rank_trials
@@ -73,7 +75,7 @@ class Decoder:
     in one pass (Target.verify_batch). One request is a step of one, through the
     same code."""
 
-    def __init__(self, target: Target, minions: list[Minion], policy: BudgetPolicy, *, top_k: int = 8,
+    def __init__(self, target: Target, minions: list[BaseMinion], policy: BudgetPolicy, *, top_k: int = 8,
                  keep_trees: bool = True, selection: str = "learned", grow_ahead: bool | str = "auto") -> None:
         self.target = target
         self.minions = minions
@@ -125,8 +127,9 @@ class Decoder:
 
     def _minions_read(self, reads: list[tuple[int, Lane, list[int]]], *, beside_target: bool = False) -> None:
         """The minions read each (slot, lane, context)'s unread prompt. With the target
-        idle, a minion that can (`prefill_batch`: llama.cpp) reads them all at once on
-        every core; beside the target's own prefill each reads on its own threads."""
+        idle, each minion reads them all in one `prefill_batch` (llama.cpp, the compact
+        forward: in shared passes on every core); beside the target's own prefill each
+        reads them one by one on its own threads."""
         if not reads:
             return
         unread = sum(lane.unread(context) for _, lane, context in reads)
@@ -135,15 +138,12 @@ class Decoder:
             lane.minions_saw = list(context)
             lane.prompt = PromptRead.DONE
         for m in self.minions:
-            together = None if beside_target else getattr(m, "prefill_batch", None)
-            if together is not None:
-                together([(slot, context) for slot, _, context in reads])
-                continue
-            for slot, _, context in reads:
-                use = getattr(m, "use_slot", None)
-                if use is not None:
-                    use(slot)
-                m.prefill(context)
+            if beside_target:
+                for slot, _, context in reads:
+                    m.use_slot(slot)
+                    m.prefill(context)
+            else:
+                m.prefill_batch([(slot, context) for slot, _, context in reads])
         if unread >= self.TIMED_READ:
             per_token = (time.perf_counter() - start) / unread
             known = self.read_seconds_per_token
@@ -184,12 +184,7 @@ class Decoder:
 
     def _minions_use(self, slot: int) -> None:
         for m in self.minions:
-            # A minion without slots (a user's own) still works: grow() reuses its cache
-            # for the longest common prefix with whatever context it is given, so each
-            # switch between requests only costs it a re-read.
-            use = getattr(m, "use_slot", None)
-            if use is not None:
-                use(slot)
+            m.use_slot(slot)
 
     def expect_requests(self, count: int, tokens: int | None = None) -> None:
         """`count` requests of at most `tokens` tokens each will share steps from now on
@@ -197,21 +192,15 @@ class Decoder:
         own passes between requests (GGUF: `share_passes`) make room for them together,
         so that growing all their trees costs a pass per tree level."""
         for m in self.minions:
-            share = getattr(m, "share_passes", None)
-            if share is not None:
-                share(count, tokens)
-        priced = getattr(self.policy, "share_growing", None)
-        if priced is not None:
-            priced({m.name: getattr(m, "requests_per_pass", 1) for m in self.minions if hasattr(m, "grow_batch")})
+            m.share_passes(count, tokens)
+        self.policy.share_growing({m.name: m.requests_per_pass for m in self.minions if m.grows_batches})
 
     def release(self, slot: int) -> None:
         """Free everything a finished request held (slot 0, the conversation, is
         emptied rather than freed)."""
         self.target.drop_slot(slot)
         for m in self.minions:
-            drop = getattr(m, "drop_slot", None)
-            if drop is not None:
-                drop(slot)
+            m.drop_slot(slot)
         if slot:
             self.lanes.pop(slot, None)
         else:
@@ -332,11 +321,11 @@ class Decoder:
                 chosen[i] = StepBudget(0, 0, 1)
             else:
                 asking.append(i)
-        shared = getattr(self.policy, "choose_shared", None)
-        if len(asking) > 1 and shared is not None:
-            picked = shared([(requests[i].remaining, requests[i].regime,
-                              self._unread_seconds(self.lanes[requests[i].slot], requests[i].context))
-                             for i in asking])
+        if len(asking) > 1:
+            picked = self.policy.choose_shared([(requests[i].remaining, requests[i].regime,
+                                                 self._unread_seconds(self.lanes[requests[i].slot],
+                                                                      requests[i].context))
+                                                for i in asking])
         else:
             picked = [self.policy.choose(requests[i].remaining, regime=requests[i].regime) for i in asking]
         for i, budget in zip(asking, picked):

@@ -4,7 +4,7 @@ Each request's minions grow in its selector's order, cheapest first, and a costl
 minion is skipped when the proposals so far already expect more accepted tokens than
 it usually adds (selection.py `still_needed`). With several requests in one step,
 growing goes in rounds: each round, every request's next minion grows, and a minion
-that can (`grow_batch`: llama.cpp decoding several requests' sequences in one pass)
+that can (`grows_batches`: llama.cpp decoding several requests' sequences in one pass)
 grows all the requests that asked for it at once, one pass per tree level for them
 all instead of one per level for each. Measured on a 2-core AVX2 EPYC (SmolLM2
 q3_k_m substitute, 8 chat requests, 8 requests' trees in one context against a
@@ -22,12 +22,13 @@ requests' rows and prices such a minion once a tree level for the batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from minions_local.core.protocols import CandidateTree, GrowBudget, Minion
+from minions_local.core.minion import BaseMinion
+from minions_local.core.protocols import CandidateTree, GrowBudget
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import StepBudget, grow_shape, width_for
 from minions_local.speculation.selection import MinionSelector
@@ -108,7 +109,7 @@ class GrowJob:
 
 
 def new_job(context: list[int], slot: int, budget: StepBudget, selector: MinionSelector, weights: list[float],
-            minions: Sequence[Minion], *, draws: SamplingParams | None, generator: torch.Generator | None,
+            minions: Sequence[BaseMinion], *, draws: SamplingParams | None, generator: torch.Generator | None,
             top_k: int, vocab_limit: int) -> GrowJob:
     """A request's growing under `budget` (nothing to grow: no minion is asked).
 
@@ -124,7 +125,7 @@ def new_job(context: list[int], slot: int, budget: StepBudget, selector: MinionS
                    selector.order())
 
 
-def grow_budgets(budget: StepBudget, weights: list[float], chosen: list[bool], minions: Sequence[Minion],
+def grow_budgets(budget: StepBudget, weights: list[float], chosen: list[bool], minions: Sequence[BaseMinion],
                  draws: SamplingParams | None, generator: torch.Generator | None, top_k: int,
                  vocab_limit: int) -> list[GrowBudget]:
     """Per minion: the step's tree shape (greedy), or its own share of the nodes with
@@ -145,7 +146,7 @@ def grow_budgets(budget: StepBudget, weights: list[float], chosen: list[bool], m
     return [replace(b, max_depth=budget.free_depth) if m.depth_is_free else b for b, m in zip(budgets, minions)]
 
 
-def grow_all(minions: Sequence[Minion], jobs: Sequence[GrowJob]) -> None:
+def grow_all(minions: Sequence[BaseMinion], jobs: Sequence[GrowJob]) -> None:
     """Every job's proposals, in rounds (see the module's doc)."""
     while True:
         asked: dict[int, list[GrowJob]] = {}
@@ -164,32 +165,29 @@ def grow_all(minions: Sequence[Minion], jobs: Sequence[GrowJob]) -> None:
     _grow_round(minions, late)
 
 
-def _grow_round(minions: Sequence[Minion], asked: dict[int, list[GrowJob]]) -> None:
+def _grow_round(minions: Sequence[BaseMinion], asked: dict[int, list[GrowJob]]) -> None:
     for m, jobs in asked.items():
         minion = minions[m]
-        batch: Callable | None = getattr(minion, "grow_batch", None)
-        if batch is not None and len(jobs) > 1:
+        if minion.grows_batches and len(jobs) > 1:
             start = time.perf_counter()
-            trees = batch([(job.slot, job.context, job.budgets[m]) for job in jobs])
+            trees = minion.grow_batch([(job.slot, job.context, job.budgets[m]) for job in jobs])
             seconds = time.perf_counter() - start
             shared = shared_grow(minion, [job.budgets[m] for job in jobs], seconds)
             for job, tree in zip(jobs, trees):
                 job.grew(m, tree, seconds / len(jobs), shared)
             continue
         for job in jobs:
-            use = getattr(minion, "use_slot", None)
-            if use is not None:
-                use(job.slot)
+            minion.use_slot(job.slot)
             start = time.perf_counter()
             tree = minion.grow(job.context, job.budgets[m])
             job.grew(m, tree, time.perf_counter() - start)
 
 
-def shared_grow(minion: Minion, budgets: Sequence[GrowBudget], seconds: float) -> tuple[int, int, int, float]:
-    """(requests, nodes allowed, passes, seconds) of one grow_batch: a pass per tree
-    level of the deepest tree, for each group of `requests_per_pass` requests (what the
-    cost model fits a shared pass's price to: cost_policy.grow_samples)."""
+def shared_grow(minion: BaseMinion, budgets: Sequence[GrowBudget],
+                seconds: float) -> tuple[int, int, int, float]:
+    """(requests, nodes allowed, passes, seconds) of one grow_batch: the minion's passes
+    per tree level of the deepest tree (what the cost model fits a shared pass's price
+    to: cost_policy.grow_samples)."""
     levels = max((grow_shape(b.max_nodes, b.max_depth)[0] for b in budgets if b.max_nodes > 0 and b.max_depth > 0),
                  default=1)
-    groups = -(-len(budgets) // max(1, getattr(minion, "requests_per_pass", len(budgets))))
-    return len(budgets), sum(b.max_nodes for b in budgets), levels * groups, seconds
+    return len(budgets), sum(b.max_nodes for b in budgets), levels * minion.passes_per_level(len(budgets)), seconds

@@ -238,5 +238,5 @@ def test_a_batch_shares_contexts_only_while_their_cells_stay_few(demo_gguf):
     for requests, tokens, shared in [(8, 200, 8), (16, 200, 8), (3, 100, 3), (8, 3000, 2), (8, None, 8), (16, None, 8),
                                      (8, 10**6, 2), (1, 50, 1)]:
         minion.share_passes(requests, tokens)
-        assert minion.shared_requests == shared, (requests, tokens)
+        assert minion.requests_per_pass == shared, (requests, tokens)
     minion.close()

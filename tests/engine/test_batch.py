@@ -13,6 +13,7 @@ from minions_local import Engine
 from minions_local.core.errors import RequestError
 from minions_local.core.events import DoneEvent, StepEvent, TokenEvent
 from minions_local.core.sampling import SamplingParams, processed_probs
+from minions_local.speculation.budget import BudgetPolicy
 from tests.engine.test_greedy_identity import random_prompts
 from tests.helpers.stats import chi2_pvalue
 from tests.helpers.tiny_models import hf_greedy
@@ -178,7 +179,7 @@ def test_a_prompt_its_slot_already_holds_needs_no_pass(families):
     run.close()
 
 
-class _TreesFrom:
+class _TreesFrom(BudgetPolicy):
     """A policy that gives no tree until step `start`, then a fixed one."""
 
     def __init__(self, start: int) -> None:

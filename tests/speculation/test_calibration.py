@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from minions_local.core.minion import BaseMinion
 from minions_local.core.protocols import CandidateTree
 from minions_local.speculation.budget import FixedBudget, grow_shape
 from minions_local.speculation.calibration import calibrate_policy, time_grow_passes
@@ -15,7 +16,7 @@ from minions_local.speculation.cost_policy import CostModelBudget
 BASE, PER_TOKEN = 0.004, 0.0005
 
 
-class PricedMinion:
+class PricedMinion(BaseMinion):
     """Each pass costs BASE + PER_TOKEN * width, one pass per level, like a model minion."""
 
     vocab_size = 100

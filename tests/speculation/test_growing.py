@@ -15,6 +15,8 @@ class BatchChainMinion(ChainMinion):
     """A ChainMinion that also grows several slots' trees in one call (as llama.cpp
     does), and records the slots of each call."""
 
+    grows_batches = True
+
     def __init__(self, name, **kw):
         super().__init__(name, **kw)
         self.slot, self.calls = 0, []

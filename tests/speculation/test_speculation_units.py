@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from minions_local.core.minion import BaseMinion
 from minions_local.core.protocols import CandidateTree, PromptChunk
 from minions_local.backends.hf import CachedModel
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.accept import accept
-from minions_local.speculation.budget import AdaptiveDepth, FixedBudget
+from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.selection import MinionSelector, contributions, marginal_tokens
 from minions_local.speculation.vote import merge_greedy
@@ -169,7 +170,7 @@ def test_a_lone_prompt_pass_lets_the_minions_read_on_a_spare_core_and_never_leav
         def use_slot(self, slot):
             pass
 
-    class SlowMinion:
+    class SlowMinion(BaseMinion):
         name = "slow"
 
         def __init__(self):
@@ -193,7 +194,7 @@ def test_a_lone_prompt_pass_lets_the_minions_read_on_a_spare_core_and_never_leav
         assert minion.thread is not threading.main_thread()
 
 
-class ChainPolicy:
+class ChainPolicy(BudgetPolicy):
     """Every step: 8 nodes, 2 levels for model minions, 8 for free-depth ones."""
 
     def choose(self, remaining, regime="greedy"):
@@ -205,7 +206,7 @@ class ChainPolicy:
         pass
 
 
-class ChainMinion:
+class ChainMinion(BaseMinion):
     """Proposes the chain 10, 11, 12, ... as deep as allowed (or nothing when silent)."""
 
     vocab_size = 50

@@ -24,7 +24,7 @@ from minions_local.backends.hf import resolve_dtype
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
-from minions_local.engine.loading import context_limit, load_minion, load_target, unique_names
+from minions_local.engine.loading import as_policy, context_limit, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder, StepResult, snapshot
@@ -452,4 +452,4 @@ def make_policy(budget: int | str | BudgetPolicy, max_depth: int) -> BudgetPolic
         return AdaptiveDepth(nodes=32, depth=min(6, max_depth), max_depth=max(max_depth, 16))
     if isinstance(budget, str):
         raise ValueError(f"budget must be an int, 'adaptive' or a BudgetPolicy, got {budget!r}")
-    return budget
+    return as_policy(budget)

@@ -37,7 +37,7 @@ cell and logits row above belongs to one request, and a request's trees are what
 they would be alone. By default each request has a context of its own, which is not
 free (`slot_bytes`): 236 MiB for the default substitute, most of it the logits rows
 and the compute buffer sized for 256 sequences and 512-token prompt chunks, and
-~0.2 s to make. Requests sharing a context (`share_passes`; slot 0, the conversation,
+~0.2 s to make. Requests sharing a context (`expect_requests`; slot 0, the conversation,
 keeps its own) pay those once, and `grow_batch` runs one pass per tree level for all.
 """
 
@@ -134,7 +134,7 @@ class GGUFMinion(SlotStates, BaseMinion):
         self.requests_per_context = requests_per_context
         self.requests_per_pass = requests_per_context
         """Requests whose trees one grow_batch pass grows, those of one context: the
-        blocks of the contexts made for batch slots (see share_passes)."""
+        blocks of the contexts made for batch slots (see expect_requests)."""
         self.n_batch = min(n_batch, n_ctx)  # llama.cpp clamps it so for causal models anyway
         self._kv_type, self._tree_runs, self._n_ctx = kv_type, tree_runs, n_ctx
         self.tree_runs = runs_per_block(tree_runs, requests_per_context)
@@ -226,7 +226,7 @@ class GGUFMinion(SlotStates, BaseMinion):
     370 one after another in contexts of their own, at 3000 tokens 1221 against 628
     (2-core AVX2 EPYC); at chat lengths sharing pays 1.4-1.7x."""
 
-    def share_passes(self, requests: int, tokens: int | None = None) -> None:
+    def expect_requests(self, requests: int, tokens: int | None = None) -> None:
         """`requests` requests of at most `tokens` tokens each (None: not known, as a
         server's) will decode together: the contexts made for slots from now on hold as
         many as SHARED_MOST and SHARED_CELLS allow (unknown lengths: SHARED_MOST, as in

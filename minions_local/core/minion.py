@@ -88,10 +88,11 @@ class BaseMinion:
         cost model fits its price to: cost_policy.grow_samples)."""
         return -(-requests // max(1, self.requests_per_pass))
 
-    def share_passes(self, requests: int, tokens: int | None = None) -> None:
+    def expect_requests(self, requests: int, tokens: int | None = None) -> None:
         """`requests` requests of at most `tokens` tokens each (None: not known) will
-        decode together from now on: a minion whose passes can hold several requests
-        makes room for them. Nothing to arrange for one that cannot."""
+        decode together from now on (Decoder.expect_requests): a minion whose passes can
+        hold several requests makes room for them. Nothing to arrange for one that
+        cannot."""
 
 
 class MinionAdapter(BaseMinion):
@@ -178,8 +179,8 @@ class MinionAdapter(BaseMinion):
         # always taken to hold them all.
         return super().passes_per_level(requests) if self._own("requests_per_pass") is not None else 1
 
-    def share_passes(self, requests: int, tokens: int | None = None) -> None:
-        if (own := self._own("share_passes")) is not None:
+    def expect_requests(self, requests: int, tokens: int | None = None) -> None:
+        if (own := self._own("expect_requests")) is not None:
             own(requests, tokens)
 
 

@@ -358,8 +358,8 @@ class PolicyAdapter(BudgetPolicy):
         own = getattr(self.policy, "choose_shared", None)
         return own(requests) if own is not None else super().choose_shared(requests)
 
-    def share_growing(self, groups: dict[str, int]) -> None:
-        if (own := getattr(self.policy, "share_growing", None)) is not None:
+    def price_batch_grows(self, groups: dict[str, int]) -> None:
+        if (own := getattr(self.policy, "price_batch_grows", None)) is not None:
             own(groups)
 
     def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],

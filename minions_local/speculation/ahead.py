@@ -18,7 +18,7 @@ cpu-demo-disk, 6 chat prompts x 128 tokens, on and off interleaved: the target's
 pass went from 74 to 96 ms (one torch thread, and the minion and the layer reader
 sharing the other core and the memory bus), more than the head start saved (the
 bonus token landed on a node grown ahead in about half the steps, but only 4 nodes
-were grown ahead per pass): 0.86x adaptive, 1.03x at a fixed 16-node tree.
+were grown ahead per pass): 0.86x with the cost model's budget, 1.03x at a fixed 16-node tree.
 """
 
 from __future__ import annotations

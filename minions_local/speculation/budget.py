@@ -79,7 +79,7 @@ class BudgetPolicy:
         yet): each request's own choice, as if alone."""
         return [self.choose(remaining, regime=regime) for remaining, regime, *_ in requests]
 
-    def share_growing(self, groups: dict[str, int]) -> None:
+    def price_batch_grows(self, groups: dict[str, int]) -> None:
         """Per minion that grows a batch's trees in its own passes, the requests the
         cost model may price one pass to hold (Decoder.expect_requests): nothing to
         price here."""

@@ -36,7 +36,7 @@ from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import REGIMES, BudgetPolicy, StepBudget, grow_shape, width_for
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
 from minions_local.speculation.realized import RealizedRates
-from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, shared_seconds, split_rows
+from minions_local.speculation.row_budget import BatchGrowCost, TreeCurve, batch_grow_seconds, split_rows
 
 
 @dataclass
@@ -87,7 +87,7 @@ class CostModelBudget(BudgetPolicy):
     """Steps in a row at zero nodes (see probe_every)."""
     grow_groups: dict = field(default_factory=dict)
     """Per minion that grows a batch's trees in shared passes: requests one pass holds
-    (share_growing)."""
+    (price_batch_grows)."""
     rates: dict = field(default_factory=dict)
     """Calibrated acceptance per regime (budget.REGIMES): a rate, or one per depth."""
     decays: dict = field(default_factory=dict)
@@ -137,7 +137,7 @@ class CostModelBudget(BudgetPolicy):
         budgets = self._chosen[mix]
         if any(b.nodes for b in budgets):
             self._idle = 0
-            if not self.realized.allows_trees(len(mix)):  # trees lose on the clock (realized.py)
+            if not self.realized.admit_trees(len(mix)):  # trees lose on the clock (realized.py)
                 budgets = [self._plain(len(mix))] * len(mix)
         elif any(cap for cap, _, _ in mix):
             self._idle += 1
@@ -175,7 +175,7 @@ class CostModelBudget(BudgetPolicy):
         whose trees do not pay alone decodes without one). A tree's grow time carries
         the request's unread prompt (`read_share`: seconds per token it will commit),
         times the tokens a step with that tree commits. Minions that grow the requests'
-        trees in shared passes (`share_growing`) are priced once a level for all."""
+        trees in shared passes (`price_batch_grows`) are priced once a level for all."""
         curves, depth_tables, growing = [], [], []
         for cap, regime, read_share in mix:
             own = self._own_pass_budget(cap, regime) if cap else None
@@ -186,49 +186,49 @@ class CostModelBudget(BudgetPolicy):
                 continue
             gains, depths = accepted_by_tree_size(acceptance_key(self.rates[regime]), own.nodes, own.depth,
                                                   self.top_k, self.decays[regime])
-            own_model = self._expected_model(regime, shared=False)
+            own_model = self._expected_model(regime, batch_growers=False)
             grow = [0.0] + [own_model.t_grow(n, depths[n]) for n in range(1, len(gains))]
             priced = [0.0] + [grow[n] + read_share * (1 + gains[n]) for n in range(1, len(gains))]
             curves.append(TreeCurve(gains, priced, depths))
             depth_tables.append(depths)
             growing.append(grow)  # what the step record predicts: the read is not growing
         requests = len(mix)
-        shared = self._shared_growing(tuple(regime for _, regime, _ in mix))
-        nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests), shared)
+        batch_cost = self._batch_grow_cost(tuple(regime for _, regime, _ in mix))
+        nodes = split_rows(curves, lambda n: self.model.t_verify(n, requests), batch_cost)
         t_verify = self.model.t_verify(sum(nodes) + requests - 1, requests)
         growers = sum(n > 0 for n in nodes)
-        share = shared_seconds(curves, shared, nodes) / growers if growers else 0.0
+        batch_share = batch_grow_seconds(curves, batch_cost, nodes) / growers if growers else 0.0
         budgets = []
         for (cap, _, _), n, grow, depths in zip(mix, nodes, growing, depth_tables):
             depth = depths[n] if n else 0
             budgets.append(StepBudget(nodes=n, depth=depth, width=grow_shape(n, depth)[1] if n else 1,
                                       depth_cap=cap, predicted_t_verify=t_verify,
-                                      predicted_t_grow=grow[n] + (share if n else 0.0),
+                                      predicted_t_grow=grow[n] + (batch_share if n else 0.0),
                                       grow_overhead=self.model.step_overhead,
-                                      grow_models=() if shared is not None else self.model.grow))
+                                      grow_models=() if batch_cost is not None else self.model.grow))
         return budgets
 
-    def share_growing(self, groups: dict[str, int]) -> None:
+    def price_batch_grows(self, groups: dict[str, int]) -> None:
         """Minions that grow several requests' trees in one pass per tree level, and how
         many requests one pass holds (Decoder.expect_requests says so when a batch
-        starts; a minion not named grows request by request)."""
+        starts; a minion not named, or holding 1, is priced request by request)."""
         groups = {name: n for name, n in groups.items() if n > 1}
         if groups != self.grow_groups:
             self.grow_groups = groups
             self._chosen.clear()
 
-    def _shared_growing(self, regimes: tuple[str, ...]) -> SharedGrowing | None:
-        """The shared-pass minions' price, each weighted by how often it runs (the
-        mix's regimes averaged)."""
-        shared = [g for g in self.model.grow if g.name in self.grow_groups]
-        if not shared:
+    def _batch_grow_cost(self, regimes: tuple[str, ...]) -> BatchGrowCost | None:
+        """The price of the minions that grow a batch's trees in shared passes, each
+        weighted by how often it runs (the mix's regimes averaged)."""
+        growers = [g for g in self.model.grow if g.name in self.grow_groups]
+        if not growers:
             return None
         base = per_node = 0.0
         for regime in regimes:
             runs = self._participation.get(regime, {})
-            base += sum(g.base * runs.get(g.name, 1.0) for g in shared) / len(regimes)
-            per_node += sum(g.per_token * runs.get(g.name, 1.0) for g in shared) / len(regimes)
-        return SharedGrowing(base, per_node, min(self.grow_groups[g.name] for g in shared))
+            base += sum(g.base * runs.get(g.name, 1.0) for g in growers) / len(regimes)
+            per_node += sum(g.per_token * runs.get(g.name, 1.0) for g in growers) / len(regimes)
+        return BatchGrowCost(base, per_node, min(self.grow_groups[g.name] for g in growers))
 
     def _own_pass_budget(self, depth_cap: int, regime: str) -> StepBudget:
         """The best tree for one request by itself, cached as `choose` caches it (the
@@ -248,14 +248,14 @@ class CostModelBudget(BudgetPolicy):
                           predicted_t_verify=c.t_verify, predicted_t_grow=c.t_grow,
                           grow_overhead=self.model.step_overhead, grow_models=self.model.grow)
 
-    def _expected_model(self, regime: str = "greedy", shared: bool = True) -> CostModel:
+    def _expected_model(self, regime: str = "greedy", batch_growers: bool = True) -> CostModel:
         """The model with each minion's grow time weighted by how often it runs (in this
-        regime: the selector learns each one apart); shared=False leaves out the minions
-        that grow a batch's trees in shared passes (they are priced apart)."""
+        regime: the selector learns each one apart); batch_growers=False leaves out the
+        minions that grow a batch's trees in shared passes (they are priced apart)."""
         runs = self._participation.get(regime, {})
         grow = tuple(replace(g, base=g.base * p, per_token=g.per_token * p)
                      for g in self.model.grow for p in [runs.get(g.name, 1.0)]
-                     if shared or g.name not in self.grow_groups)
+                     if batch_growers or g.name not in self.grow_groups)
         return replace(self.model, grow=grow)
 
     def calibrate(self, grow_samples: dict[str, list[tuple[int, float]]],

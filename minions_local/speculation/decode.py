@@ -35,7 +35,7 @@ from minions_local.speculation.accept import accept, check_finite, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
 from minions_local.speculation.budget import BudgetPolicy, StepBudget
 from minions_local.speculation.growing import Growth, GrowJob, grow_all, new_job
-from minions_local.speculation.lanes import Lane, PromptRead, SharedPass, StepRequest
+from minions_local.speculation.lanes import Lane, PassTotals, PromptRead, StepRequest
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import merge_greedy, merge_sampled
 
@@ -189,11 +189,11 @@ class Decoder:
     def expect_requests(self, count: int, tokens: int | None = None) -> None:
         """`count` requests of at most `tokens` tokens each will share steps from now on
         (a batch; tokens None: not known ahead, as a server's): minions that share their
-        own passes between requests (GGUF: `share_passes`) make room for them together,
-        so that growing all their trees costs a pass per tree level."""
+        own passes between requests (GGUF) make room for them together, so that growing
+        all their trees costs a pass per tree level."""
         for m in self.minions:
-            m.share_passes(count, tokens)
-        self.policy.share_growing({m.name: m.requests_per_pass for m in self.minions if m.grows_batches})
+            m.expect_requests(count, tokens)
+        self.policy.price_batch_grows({m.name: m.requests_per_pass for m in self.minions if m.grows_batches})
 
     def release(self, slot: int) -> None:
         """Free everything a finished request held (slot 0, the conversation, is
@@ -274,9 +274,9 @@ class Decoder:
         self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
         streamed = self.target.bytes_streamed() - streamed_before
         rows = sum(len(p.tree) for p in plans) + sum(len(c.tokens) for c in chunks)
-        shared = SharedPass(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
-                             t2 - t0 if len(plans) > 1 or chunks else None)
-        return [self._learn(plan, path, bonus, ahead_nodes, shared) for plan, (path, bonus, ahead_nodes) in
+        totals = PassTotals(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
+                            t2 - t0 if len(plans) > 1 or chunks else None)
+        return [self._learn(plan, path, bonus, ahead_nodes, totals) for plan, (path, bonus, ahead_nodes) in
                 zip(plans, outcomes)]
 
     def _prompt_pass(self, chunks: Sequence[PromptChunk], shadow: Sequence[tuple[int, list[int]]]) -> None:
@@ -395,10 +395,10 @@ class Decoder:
         outcomes[0][2] = ahead_nodes
         return [tuple(o) for o in outcomes]
 
-    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, shared: SharedPass) -> StepResult:
+    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, totals: PassTotals) -> StepResult:
         """Commit one request's tokens to its minions, and learn from its step."""
         r, tree, growth, budget = plan.request, plan.tree, plan.growth, plan.budget
-        t_verify, requests = shared.t_verify, shared.requests
+        t_verify, requests = totals.t_verify, totals.requests
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
         selector = self.selector(r.regime)
         if plan.minions_unread:  # the minions have not read the prompt: nothing to commit, nothing to learn
@@ -415,17 +415,17 @@ class Decoder:
         grown = self._of_those_that_ran(growth, growth.allowed)
         record = StepRecord(
             tree_size=tree.draft_size, accepted=len(path) - 1, t_grow=plan.t_grow, t_verify=t_verify,
-            bytes_streamed=shared.streamed, depth=tree.depth, new_tokens=len(tokens),
+            bytes_streamed=totals.streamed, depth=tree.depth, new_tokens=len(tokens),
             minion_accepted={m.name: c for m, c in zip(self.minions, contributed)},
             minion_weights=self._of_those_that_ran(growth, plan.weights),
             minion_t_grow=self._of_those_that_ran(growth, growth.seconds),
             predicted_t_verify=budget.predicted_t_verify, minion_nodes=grown,
-            minion_shared={self.minions[m].name: s for m, s in growth.shared.items()},
-            predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=shared.t_policy,
+            minion_shared={self.minions[m].name: batch for m, batch in growth.batch_grows.items()},
+            predicted_t_grow=budget.predicted_grow_for(grown), regime=r.regime, t_policy=totals.t_policy,
             rank_trials=rank_trials(tree, path, capped=len(path) - 1 >= r.remaining - 1)
             if self._priced_tree(growth) else [], ahead_nodes=ahead_nodes,
-            grow_depth=budget.depth, batch_size=requests, pass_rows=shared.rows, t_read=shared.t_read,
-            t_step=shared.t_step,
+            grow_depth=budget.depth, batch_size=requests, pass_rows=totals.rows, t_read=totals.t_read,
+            t_step=totals.t_step,
         )
         self.policy.observe(record)
         return StepResult(tokens, record, tree, path)

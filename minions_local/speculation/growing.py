@@ -16,7 +16,7 @@ time is shared. Each request is charged an equal share of a shared grow (what it
 selector weighs a minion's time by), and every request's record also holds the whole
 grow (StepRecord.minion_shared): the cost model fits it as passes over all the
 requests' rows and prices such a minion once a tree level for the batch
-(row_budget.SharedGrowing).
+(row_budget.BatchGrowCost).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,25 @@ from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import StepBudget, grow_shape, width_for
 from minions_local.speculation.selection import MinionSelector
 from minions_local.speculation.vote import source_shares
+
+
+class BatchGrow(NamedTuple):
+    """One grow_batch of several requests' trees, whole (StepRecord.minion_shared): what
+    the cost model fits a shared pass's price to (cost_policy.grow_samples)."""
+
+    requests: int
+    nodes: int
+    """Draft nodes allowed them all."""
+    passes: int
+    """The minion's passes per tree level, times the deepest tree's levels."""
+    seconds: float
+
+    @classmethod
+    def of(cls, minion: BaseMinion, budgets: Sequence[GrowBudget], seconds: float) -> BatchGrow:
+        levels = max((grow_shape(b.max_nodes, b.max_depth)[0] for b in budgets
+                      if b.max_nodes > 0 and b.max_depth > 0), default=1)
+        return cls(len(budgets), sum(b.max_nodes for b in budgets), levels * minion.passes_per_level(len(budgets)),
+                   seconds)
 
 
 @dataclass
@@ -48,9 +68,9 @@ class Growth:
     """The draft nodes each minion was allowed (its share, when sampling)."""
     run_order: list[int] = field(default_factory=list)
     """The minions that grew, in the order they grew in."""
-    shared: dict[int, tuple[int, int, int, float]] = field(default_factory=dict)
+    batch_grows: dict[int, BatchGrow] = field(default_factory=dict)
     """Per minion that grew this request's tree together with other requests' (see
-    StepRecord.minion_shared): the whole shared grow."""
+    StepRecord.minion_shared): the whole grow_batch."""
 
     @classmethod
     def empty(cls, minions: int) -> Growth:
@@ -86,12 +106,11 @@ class GrowJob:
                 return m
         return None
 
-    def grew(self, m: int, proposal: CandidateTree, seconds: float,
-             shared: tuple[int, int, int, float] | None = None) -> None:
+    def grew(self, m: int, proposal: CandidateTree, seconds: float, batch: BatchGrow | None = None) -> None:
         self.growth.proposals[m] = proposal
         self.growth.seconds[m] = seconds
-        if shared is not None:
-            self.growth.shared[m] = shared
+        if batch is not None:
+            self.growth.batch_grows[m] = batch
         self.growth.run_order.append(m)
         self._expected = max(self._expected, self.selector.expected(m, proposal))
 
@@ -131,8 +150,8 @@ def grow_budgets(budget: StepBudget, weights: list[float], chosen: list[bool], m
     """Per minion: the step's tree shape (greedy), or its own share of the nodes with
     the sampling settings and the draft generator (sampled)."""
     if draws is None:
-        shared = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=top_k)
-        budgets = [shared] * len(minions)
+        tree_shape = GrowBudget(max_nodes=budget.nodes, max_depth=budget.depth, width=budget.width, top_k=top_k)
+        budgets = [tree_shape] * len(minions)
     else:
         shares = source_shares(weights, chosen, budget.nodes, budget.depth, top_k)
         # The drafts' own stream, seeded from the request's so a seeded run repeats.
@@ -172,9 +191,9 @@ def _grow_round(minions: Sequence[BaseMinion], asked: dict[int, list[GrowJob]]) 
             start = time.perf_counter()
             trees = minion.grow_batch([(job.slot, job.context, job.budgets[m]) for job in jobs])
             seconds = time.perf_counter() - start
-            shared = shared_grow(minion, [job.budgets[m] for job in jobs], seconds)
+            batch = BatchGrow.of(minion, [job.budgets[m] for job in jobs], seconds)
             for job, tree in zip(jobs, trees):
-                job.grew(m, tree, seconds / len(jobs), shared)
+                job.grew(m, tree, seconds / len(jobs), batch)
             continue
         for job in jobs:
             minion.use_slot(job.slot)
@@ -182,12 +201,3 @@ def _grow_round(minions: Sequence[BaseMinion], asked: dict[int, list[GrowJob]]) 
             tree = minion.grow(job.context, job.budgets[m])
             job.grew(m, tree, time.perf_counter() - start)
 
-
-def shared_grow(minion: BaseMinion, budgets: Sequence[GrowBudget],
-                seconds: float) -> tuple[int, int, int, float]:
-    """(requests, nodes allowed, passes, seconds) of one grow_batch: the minion's passes
-    per tree level of the deepest tree (what the cost model fits a shared pass's price
-    to: cost_policy.grow_samples)."""
-    levels = max((grow_shape(b.max_nodes, b.max_depth)[0] for b in budgets if b.max_nodes > 0 and b.max_depth > 0),
-                 default=1)
-    return len(budgets), sum(b.max_nodes for b in budgets), levels * minion.passes_per_level(len(budgets)), seconds

@@ -61,8 +61,9 @@ class Lane:
 
 
 @dataclass(frozen=True)
-class SharedPass:
-    """What a step's requests share: the target's pass, the policy's and the reads' time."""
+class PassTotals:
+    """A step's pass-wide measures, the same for every request that rode its pass (one
+    or several): the target's pass, the policy's and the reads' time."""
 
     t_verify: float
     streamed: int

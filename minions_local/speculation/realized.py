@@ -49,11 +49,12 @@ class RealizedRates:
             return None
         return sum(t for t, _ in passes) / sum(s for _, s in passes)
 
-    def allows_trees(self, requests: int) -> bool:
-        """Whether a pass of `requests` requests may grow the trees the split chose:
-        not while trees realize less than plain passes at this batch size, nor on the
-        pass that measures plain decoding while it has too few samples (one in
-        `every`); trees that lost are tried again one pass in `every`."""
+    def admit_trees(self, requests: int) -> bool:
+        """Let the next pass of `requests` requests grow the trees the split chose, or
+        not: not while trees realize less than plain passes at this batch size, nor on
+        the pass that measures plain decoding while it has too few samples (one in
+        `every`); trees that lost are tried again one pass in `every`. Each call counts
+        as a pass of that batch size (what `every` counts)."""
         asked = self._asked[requests] = self._asked.get(requests, 0) + 1
         turn = asked % self.every == 0
         plain, trees = self.rate(requests, False), self.rate(requests, True)

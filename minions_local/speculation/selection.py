@@ -60,8 +60,9 @@ class MinionSelector:
     decay: float = 0.85
     floor: float = 0.05
     """Smallest vote weight relative to the best minion: a cold minion can recover."""
-    adaptive: bool = True
-    """False: every minion runs every step (weights still learn)."""
+    skips_minions: bool = True
+    """Whether a minion not worth its time this step sits it out; False: every minion
+    runs every step (weights still learn)."""
     learn_weights: bool = True
     """False: every minion's vote counts the same (the baseline learned weights must beat)."""
     stats: list[MinionStats] = field(default_factory=list)
@@ -72,7 +73,7 @@ class MinionSelector:
     def for_mode(cls, names: list[str], mode: str) -> MinionSelector:
         if mode not in SELECTION_MODES:
             raise ValueError(f"minion selection must be one of {SELECTION_MODES}, got {mode!r}")
-        return cls(names, adaptive=mode == "learned", learn_weights=mode != "equal")
+        return cls(names, skips_minions=mode == "learned", learn_weights=mode != "equal")
 
     def __post_init__(self) -> None:
         if not self.stats:
@@ -94,10 +95,10 @@ class MinionSelector:
 
     def order(self) -> list[int]:
         """Cheapest first (unmeasured first of all), so a costly minion can see what
-        the cheap ones already proposed. Without adaptive skipping nobody looks, and
+        the cheap ones already proposed. Without skipping nobody looks, and
         the fixed order keeps sampled drafts (whose entry order follows this) from
         depending on timings."""
-        if not self.adaptive:
+        if not self.skips_minions:
             return list(range(len(self.stats)))
         return sorted(range(len(self.stats)), key=lambda m: self.stats[m].cost or 0.0)
 
@@ -112,7 +113,7 @@ class MinionSelector:
         long n-gram match, say), m's time is better saved this step. Such a step is not
         held against it."""
         s = self.stats[m]
-        if not self.adaptive or expected_so_far <= s.record:
+        if not self.skips_minions or expected_so_far <= s.record:
             return True
         if s.deferred_yield is not None and s.deferred_yield < s.record:
             # Measured: a cheap, overconfident minion's big tree (a feature drafter at
@@ -123,7 +124,7 @@ class MinionSelector:
         return False
 
     def _worth_running(self, s: MinionStats) -> bool:
-        if not self.adaptive or s.cost is None or self.seconds_per_token is None:
+        if not self.skips_minions or s.cost is None or self.seconds_per_token is None:
             return True  # not measured yet: try it
         if s.marginal * self.seconds_per_token >= s.cost:
             return True

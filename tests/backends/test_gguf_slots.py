@@ -209,7 +209,7 @@ def test_a_batch_reads_its_prompts_in_one_pass_as_each_alone(demo_gguf, prompts)
         alone.prefill(prompt)
         want[slot] = alone.grow(prompt, budget)
     together = GGUFMinion(demo_gguf, n_ctx=N_CTX)
-    together.share_passes(len(prompts))
+    together.expect_requests(len(prompts))
     decodes = []
     original = type(together._request.block.context).decode
     try:
@@ -237,6 +237,6 @@ def test_a_batch_shares_contexts_only_while_their_cells_stay_few(demo_gguf):
     minion = GGUFMinion(demo_gguf, n_ctx=4096)
     for requests, tokens, shared in [(8, 200, 8), (16, 200, 8), (3, 100, 3), (8, 3000, 2), (8, None, 8), (16, None, 8),
                                      (8, 10**6, 2), (1, 50, 1)]:
-        minion.share_passes(requests, tokens)
+        minion.expect_requests(requests, tokens)
         assert minion.requests_per_pass == shared, (requests, tokens)
     minion.close()

@@ -96,7 +96,7 @@ def test_the_decoder_tells_the_policy_which_minions_share_passes():
     class Listening(ChainPolicy):
         groups = None
 
-        def share_growing(self, groups):
+        def price_batch_grows(self, groups):
             self.groups = groups
 
     batch, plain = BatchChainMinion("model"), ChainMinion("ngram", free=True)

@@ -13,16 +13,16 @@ from minions_local.speculation.realized import RealizedRates
 
 def test_trees_that_realize_less_than_plain_passes_are_held_back_and_retried_now_and_then():
     rates = RealizedRates(window=8, least=4, every=4)
-    assert [rates.allows_trees(8) for _ in range(4)] == [True, True, True, False]  # one plain pass to measure
+    assert [rates.admit_trees(8) for _ in range(4)] == [True, True, True, False]  # one plain pass to measure
     for _ in range(4):
         rates.add(8, False, tokens=8, seconds=0.064)  # 125 tok/s
         rates.add(8, True, tokens=14, seconds=0.140)  # 100 tok/s
     assert rates.rate(8, False) == pytest.approx(125.0) and rates.rate(8, True) == pytest.approx(100.0)
-    assert [rates.allows_trees(8) for _ in range(4)] == [False, False, False, True]  # one tree pass to re-measure
+    assert [rates.admit_trees(8) for _ in range(4)] == [False, False, False, True]  # one tree pass to re-measure
     for _ in range(8):
         rates.add(8, True, tokens=20, seconds=0.140)  # trees now realize 143 tok/s
-    assert all(rates.allows_trees(8) for _ in range(8))
-    assert rates.allows_trees(16) and rates.rate(16, True) is None  # each batch size on its own
+    assert all(rates.admit_trees(8) for _ in range(8))
+    assert rates.admit_trees(16) and rates.rate(16, True) is None  # each batch size on its own
     rates.add(1, True, tokens=5, seconds=0.1)
     assert rates.rate(1, True) is None  # a lone request's steps are no shared passes
 
@@ -38,7 +38,7 @@ def test_the_policy_feeds_its_shared_passes_to_the_check_and_obeys_it():
     model = CostModel(VerifyTime(flat=0.0627, base=0.009, slope=0.00034), (GrowTime("q3", 0.0048, 0.0024),))
     policy = CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=16)
     policy.rates["greedy"] = (0.9, 0.9)
-    policy.share_growing({"q3": 8})
+    policy.price_batch_grows({"q3": 8})
     mix = [(100, "greedy", 0.0)] * 8
     assert all(b.nodes > 0 for b in policy.choose_shared(mix))
     for _ in range(6):

@@ -7,7 +7,7 @@ import itertools
 
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
 from minions_local.speculation.cost_policy import CostModelBudget
-from minions_local.speculation.row_budget import SharedGrowing, TreeCurve, split_rows
+from minions_local.speculation.row_budget import BatchGrowCost, TreeCurve, split_rows
 
 
 def _curve(rate: float, max_nodes: int, pass_s: float) -> TreeCurve:
@@ -95,7 +95,7 @@ def test_a_shared_pass_minion_pays_its_fixed_cost_once_a_level_for_all_requests(
     tree pays the pass's fixed cost, but all eight together do; priced as 8 lone
     grows, none would."""
     verify = VerifyTime(flat=0.0627, base=0.009, slope=0.00034)
-    shared = SharedGrowing(base=0.0048, per_node=0.0024, group=8)
+    shared = BatchGrowCost(base=0.0048, per_node=0.0024, group=8)
     curves = [_levels_curve(0.9, 8)] * 8
     nodes = split_rows(curves, verify, shared)
     assert all(n > 0 for n in nodes)
@@ -107,7 +107,7 @@ def test_a_shared_pass_minion_pays_its_fixed_cost_once_a_level_for_all_requests(
 
 def test_the_split_with_shared_growing_is_near_the_best_split_on_small_cases():
     verify = VerifyTime(flat=0.06, base=0.01, slope=0.0005)
-    shared = SharedGrowing(base=0.006, per_node=0.002, group=2)
+    shared = BatchGrowCost(base=0.006, per_node=0.002, group=2)
 
     def rate(curves, nodes):
         depth = max(c.levels[n] for c, n in zip(curves, nodes))
@@ -122,7 +122,7 @@ def test_the_split_with_shared_growing_is_near_the_best_split_on_small_cases():
 
 
 def test_the_policy_prices_a_shared_pass_minion_once_for_the_batch():
-    """share_growing names the minion whose passes a batch shares: then 8 requests get
+    """price_batch_grows names the minion whose passes a batch shares: then 8 requests get
     trees that, priced request by request, would not pay."""
     model = CostModel(VerifyTime(flat=0.0627, base=0.009, slope=0.00034),
                       (GrowTime("q3", 0.0048, 0.0024), GrowTime("ngram", 3e-5, 0.0)), step_overhead=0.0001)
@@ -131,7 +131,7 @@ def test_the_policy_prices_a_shared_pass_minion_once_for_the_batch():
     policy.decays["greedy"] = 0.95
     mix = [(100, "greedy", 0.0)] * 8
     assert all(b.nodes == 0 for b in policy.choose_shared(mix))
-    policy.share_growing({"q3": 8, "ngram": 1})
+    policy.price_batch_grows({"q3": 8, "ngram": 1})
     assert policy.grow_groups == {"q3": 8}
     budgets = policy.choose_shared(mix)
     assert all(b.nodes > 0 for b in budgets)

@@ -43,7 +43,7 @@ def simulate(selector, steps, quality, cost, rng):
 
 
 def test_weights_converge_to_the_better_minion():
-    selector = MinionSelector(["good", "poor"], adaptive=False)
+    selector = MinionSelector(["good", "poor"], skips_minions=False)
     simulate(selector, 80, quality=[0.9, 0.1], cost=[0.01, 0.01], rng=random.Random(0))
     good, poor = selector.weights()
     assert good == 1.0 and poor < 0.3

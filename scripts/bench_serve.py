@@ -36,26 +36,12 @@ import time
 from pathlib import Path
 
 from benchmarks.chat_prompts import CHAT_PROMPTS
+from benchmarks.reference import profile_copy, reference_replies
 
 READY = re.compile(r"ready on http://127\.0\.0\.1:(\d+)/v1")
 LONG = ("Here are my notes from the week; read them and tell me which three tasks matter most.\n\n"
         + "\n".join(f"- Day {d}: answered mail, fixed the build, met the team about the Q{d % 4 + 1} plan."
                     for d in range(1, 40)))
-
-
-def profile_file(profile: str, dtype: str | None, folder: Path) -> str:
-    """The profile, or a copy of it whose target computes in `dtype`."""
-    if dtype is None:
-        return profile
-    from minions_local.profile.loader import find_profile_file
-
-    text = find_profile_file(profile).read_text()
-    text, n = re.subn(r'(?m)^dtype\s*=\s*"[^"]*"', f'dtype = "{dtype}"', text, count=1)
-    if not n:
-        text = text.replace("[target]\n", f'[target]\ndtype = "{dtype}"\n', 1)
-    path = folder / f"{Path(profile).stem}-{dtype}.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def start_server(profile: str, parallel: int) -> tuple[subprocess.Popen, int, list[str]]:
@@ -75,17 +61,6 @@ def start_server(profile: str, parallel: int) -> tuple[subprocess.Popen, int, li
     raise SystemExit("minions-serve did not get ready:\n" + "".join(lines[-40:]))
 
 
-def references(profile: str, messages: list[list[dict]], max_new: int) -> list[str]:
-    from minions_local import Engine
-
-    engine = Engine.from_profile(profile, minions=[])
-    replies = []
-    for m in messages:
-        engine.reset()  # each conversation from an empty cache
-        replies.append(engine.chat(m, max_new_tokens=max_new, temperature=0).text)
-    return replies
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu-demo-disk")
@@ -99,8 +74,8 @@ def main() -> None:
 
     chats = [[{"role": "user", "content": text}] for _, text in CHAT_PROMPTS[:args.prompts]]
     with tempfile.TemporaryDirectory() as folder:
-        profile = profile_file(args.profile, args.dtype, Path(folder))
-        reference = references(profile, chats, args.max_new)
+        profile = profile_copy(args.profile, Path(folder), dtype=args.dtype)
+        reference = reference_replies(profile, chats, args.max_new)
         proc, port, log = start_server(profile, parallel=len(chats))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
 

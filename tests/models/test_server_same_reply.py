@@ -10,12 +10,12 @@ and beside other requests. Streamed from disk in bfloat16, resident in float32."
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import signal
 
 import openai
 import pytest
 
+from benchmarks.reference import profile_copy, reference_replies
 from tests.server.process import start_server
 
 pytestmark = pytest.mark.realmodel
@@ -33,31 +33,10 @@ SEEDED = {"messages": [{"role": "user", "content": "Tell me a short story about 
 TOKENS = 24
 
 
-def profile_copy(name: str, dtype: str, folder) -> str:
-    """The profile with the target's dtype set, streaming into `folder` (not the user's cache)."""
-    from minions_local.profile.loader import find_profile_file
-
-    text = find_profile_file(name).read_text()
-    text = re.sub(r'(?m)^dtype\s*=\s*"[^"]*"', f'dtype = "{dtype}"', text, count=1)
-    if f'dtype = "{dtype}"' not in text:
-        text = text.replace("[target]\n", f'[target]\ndtype = "{dtype}"\n', 1)
-    text = re.sub(r'(?m)^disk_path\s*=\s*"[^"]*"', f'disk_path = "{folder / "offload"}"', text)
-    path = folder / f"{name}-{dtype}.toml"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.mark.parametrize("name, dtype", [("cpu-demo-disk", "bfloat16"), ("cpu-demo", "float32")])
 def test_every_reply_is_the_target_alone_whatever_ran_before_or_beside_it(converted, tmp_path, name, dtype):
-    from minions_local import Engine
-
-    profile = profile_copy(name, dtype, tmp_path)
-    alone = Engine.from_profile(profile, minions=[])
-    reference = []
-    for chat in CHATS:
-        alone.reset()  # each conversation from an empty cache
-        reference.append(alone.chat(chat, max_new_tokens=TOKENS, temperature=0).text)
-    del alone
+    profile = profile_copy(name, tmp_path, dtype=dtype, disk_path=tmp_path / "offload")
+    reference = reference_replies(profile, CHATS, TOKENS)
     server = start_server("--parallel", str(len(CHATS)), "--queue", "8", profile=profile, minions=(),
                           one_thread=False, cwd=tmp_path, timeout=300)
     try:

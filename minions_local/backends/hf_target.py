@@ -134,11 +134,16 @@ class SharedPassTarget(CompactModel, HFTarget):
         super().prefill(context)
 
     def extend(self, tokens: list[int], chunk: int = 512) -> torch.Tensor | None:
-        read_as_prompt = self._prompt_entries == self.cache_len
+        kept = self.cache_len
         logits = super().extend(tokens, chunk)
-        if read_as_prompt:
-            self._prompt_entries = self.cache_len
+        self._read_as_prompt(kept)
         return logits
+
+    def _read_as_prompt(self, kept: int) -> None:
+        """The slot's cache grew past its first `kept` entries by a prompt read: the new
+        entries are prompt entries too where every entry before them is."""
+        if self._prompt_entries == kept:
+            self._prompt_entries = self.cache_len
 
     def truncate(self, keep: int) -> None:
         super().truncate(keep)
@@ -197,8 +202,7 @@ class SharedPassTarget(CompactModel, HFTarget):
         for chunk, part in zip(chunks, parts[len(trees):]):
             self.use_slot(chunk.slot)
             kept = len(self.cached)
-            if self._prompt_entries == kept:
-                self._prompt_entries = kept + len(chunk.tokens)
+            self._read_as_prompt(kept)
             self.cached.extend(chunk.tokens)
             self._keep_features(kept, part.hidden if self.keep_hidden else None)
         return logits[:len(trees)]

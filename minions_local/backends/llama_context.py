@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -61,6 +62,11 @@ def import_llama_cpp() -> Any:
         problem = build_problem()
         if problem:
             raise ModelLoadError(problem + ".")
+        # ggml's tiled K-quant matmul (taken from 8 rows) blocks rows together, so a row's
+        # bits would depend on what shares its pass; a llama.cpp target must be row-invariant
+        # (llama_target.py). ggml reads the switch once, at the process's first matmul, so it
+        # is set before anything runs, for the minions' passes too.
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         try:
             import llama_cpp
         except ImportError as err:

@@ -1,0 +1,495 @@
+"""A GGUF target computed by llama.cpp itself: ggml's quantized kernels multiply the
+file's blocks (Q4_K, Q6_K, IQ4_NL, ...) against 8-bit activations, never widened, for
+every architecture and type llama.cpp's loader knows.
+
+A tree is one pass. Each leaf of the tree gets a sequence id of its own, and every node
+carries the sequence ids of the leaves below it, so a node belongs to exactly the
+sequences of the branches through it; the request's prefix is copied into every leaf's
+sequence first (llama_memory_seq_cp adds a sequence id to existing cells, nothing is
+copied). llama.cpp lets a token attend to the cells of its (first) sequence up to its own
+position: its prefix, its ancestors and itself. That is the tree mask. Several
+requests' trees (and newcomers' prompt pieces) share the pass as rows of one batch,
+each request owning a prefix sequence. Commit adds the request's sequence to the
+accepted path's cells and drops the leaf sequences.
+
+Exact, as every target: a row gets the bits it would get in a 1-token pass of the
+target decoding that conversation alone from an empty cache, whatever tree, batch,
+chunking or cached prefix it met. llama.cpp by default is not (rows differ by up to 2.4
+in the logits between batch sizes); these settings make it so, each checked on the
+loaded file at load (`check_rows`):
+  - flash attention on, with at most EXACT_ROWS (< 64) rows per llama_decode and never
+    one: ggml's CPU flash attention then runs its per-row kernel (64+ rows take a tiled
+    kernel, 1 row over 512+ cells one that splits the keys between threads);
+  - no weight repacking (`use_extra_bufts = False`): the repacked kernels multiply rows
+    in groups of 4; and GGML_CPU_TILED_MM=0 (llama_context.import_llama_cpp): the tiled
+    K-quant kernel, taken from 8 rows, blocks rows too. The plain vec_dot kernel is a
+    dot product per (weight row, activation row);
+  - at least 2 output rows per llama_decode: the last layer and the head run only on
+    output rows, and llamafile's sgemm (F16, some legacy types) takes 2 rows and up;
+  - every sequence's cells in position order (llama_cells.py: attention sums cells in
+    cell order).
+A row's keys and values are then what a prompt read of the same tokens writes, so a
+request's decoded entries stay valid prompt entries: a chat's next turn reads only its
+new tokens, and another request whose prompt starts the same way borrows them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from minions_local.backends.llama_cells import CellLedger
+from minions_local.backends.llama_context import buffer_report, import_llama_cpp
+from minions_local.core.errors import ContextOverflowError, ModelLoadError
+from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
+from minions_local.core.slots import SlotStates
+from minions_local.core.tree import TokenTree
+
+EXACT_ROWS = 32
+"""Rows per llama_decode: below 64, where ggml's flash attention switches to its tiled
+kernel (GGML_FA_TILE_Q); a pass of more rows runs as several llama_decode calls."""
+
+KV_TYPES = {"f16": 1, "f32": 0, "q8_0": 8}  # GGML_TYPE_*
+
+
+class Row(NamedTuple):
+    """One token of a pass: at `pos` in every sequence of `seqs`; `output`: its logits are read."""
+
+    token: int
+    pos: int
+    seqs: tuple[int, ...]
+    output: bool
+
+
+@dataclass
+class TreeLayout:
+    """Where one request's tree went in the pass, for its commit."""
+
+    base: int
+    """The root's position (the request's context length - 1)."""
+    cells: list[int]
+    """Per node: its cell."""
+    leaf_seq: list[int]
+    """Per node: the sequence of a leaf below it (whose cells include the node's path)."""
+    seqs: list[int] = field(default_factory=list)
+    """The tree's leaf sequences."""
+
+
+class LlamaTarget(SlotStates):
+    """The Target protocol on llama.cpp (core/protocols.py): several requests' trees in
+    one pass, each request on a slot owning one sequence of a shared context.
+
+    Keyword arguments:
+        n_ctx: KV cells in all (every slot's tokens, the trees of a pass, and garbage
+            waiting to be compacted: llama_cells.py).
+        threads: llama.cpp threads for a pass (default: every core, at most 8).
+        kv_type: "f16" (llama.cpp's default), "f32" or "q8_0".
+        sequences: sequence ids of the context (<= 256): each slot holds one, each tree
+            leaf of a pass one. llama.cpp keeps a vocabulary-sized logits row per
+            sequence, so the default keeps those rows within 64 MiB.
+        n_gpu_layers: layers a CUDA/Metal build of llama.cpp runs on the GPU.
+    """
+
+    shares_passes = True
+    SLOT_FIELDS = ("_seq", "cached")
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
+                 kv_type: str = "f16", sequences: int | None = None, n_gpu_layers: int = 0) -> None:
+        self.path = Path(path).expanduser()
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        self.lib = lib = import_llama_cpp()
+        self.model = self.ctx = self.batch = None  # so close() works after a failed load
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_extra_bufts = False  # repacked kernels multiply rows in groups: not row-invariant
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "
+                                 f"architecture this llama.cpp knows?")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.device = torch.device("cpu")
+        self.threads = threads or max(1, min(os.cpu_count() or 1, 8))
+        if sequences is None:
+            sequences = int(np.clip((64 << 20) // (4 * self.vocab_size), 16, 256))
+        self.sequences = sequences
+        self.buffers: dict[str, int] = {}
+        """Bytes llama.cpp reported allocating for the context ("KV", "output", "compute")."""
+        with buffer_report() as self.buffers:
+            self.ctx = lib.llama_init_from_model(self.model, self._context_params(n_ctx, kv_type))
+        if not self.ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not make a context of {n_ctx} cells for {self.path}: too "
+                                 f"little memory? Lower the context size.")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(EXACT_ROWS + 1, 0, sequences)
+        self.ledger = CellLedger(int(lib.llama_n_ctx(self.ctx)))
+        self.DUMMY, self.GARBAGE = sequences - 1, sequences - 2
+        self._free_seqs = list(range(sequences - 3, -1, -1))  # pop() takes the lowest
+        self._pending: dict[int, TreeLayout] = {}
+        """Per slot: its tree in the last pass, until its commit."""
+        self._streamed = lambda: 0
+        self.passes = 0
+        self.compactions = 0
+        self.__dict__.update(self.fresh_slot_state())
+
+    def _context_params(self, n_ctx: int, kv_type: str) -> Any:
+        lib = self.lib
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = EXACT_ROWS
+        cparams.n_seq_max = self.sequences
+        cparams.n_outputs_max = max(EXACT_ROWS, self.sequences)
+        cparams.kv_unified = True  # a tree's tokens belong to several sequences
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.no_perf = True
+        return cparams
+
+    # --- what the engine reads of a target ------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a conversation may hold: the model's trained window, within the cache."""
+        return min(int(self.lib.llama_model_n_ctx_train(self.model)), self.ledger.capacity - 2 * EXACT_ROWS)
+
+    def special_ids(self) -> tuple[int | None, set[int]]:
+        """(BOS, every end-of-generation id) from the file's vocabulary."""
+        lib, vocab = self.lib, self.vocab
+        bos = int(lib.llama_vocab_bos(vocab))
+        eog = {t for t in (int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))) if t >= 0}
+        eog |= {t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, t)}
+        return (bos if bos >= 0 else None), eog
+
+    def bytes_streamed(self) -> int:
+        return self._streamed()
+
+    def weight_bytes(self) -> int:
+        return int(self.lib.llama_model_size(self.model))
+
+    def kv_bytes_per_token(self) -> int:
+        kv = self.buffers.get("KV", 0)
+        return kv // max(self.ledger.capacity, 1)
+
+    # --- slots ----------------------------------------------------------------------
+
+    def fresh_slot_state(self) -> dict:
+        return {"_seq": None, "cached": []}
+
+    def release_slot_state(self, state: dict) -> None:
+        seq = state.get("_seq")
+        if seq is not None:
+            self._release(seq)
+            self._free_seqs.append(seq)
+            self._free_seqs.sort(reverse=True)
+
+    @property
+    def seq(self) -> int:
+        """The slot's own sequence: the cells of its committed tokens."""
+        if self._seq is None:
+            if not self._free_seqs:
+                raise RuntimeError("every sequence id of the target's context is taken")
+            self._seq = self._free_seqs.pop()
+        return self._seq
+
+    def reset(self) -> None:
+        self._settle()
+        if self._seq is not None:
+            self._release(self._seq)
+        self.cached = []
+
+    def forget_beyond(self, context: list[int]) -> None:
+        """Nothing to forget: a decoded token's cache entries are the bits a prompt read
+        of it writes (every row is row-invariant here), so they stay, and a chat's next
+        turn reads only its new tokens."""
+
+    def missing_prompt(self, context: list[int]) -> list[int]:
+        self._settle()
+        self._borrow_prefix(context[:-1])
+        keep = common_prefix_len(self.cached, context[:-1])
+        self._truncate(keep)
+        return list(context[keep:-1])
+
+    def prefill(self, context: list[int]) -> None:
+        todo = self.missing_prompt(context)
+        if todo:
+            self.verify_batch([], [PromptChunk(self.slot, todo)])
+
+    def verify(self, context: list[int], tree: TokenTree) -> torch.Tensor:
+        return self.verify_batch([SlotTree(self.slot, context, tree)])[0]
+
+    # --- the pass ------------------------------------------------------------------------
+
+    def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
+        """Every request's tree and every prompt chunk in one pass (llama_decode calls of
+        EXACT_ROWS rows): rows that stay (prompt chunks, a request's catch-up) first, then
+        each tree best branch first, so that when the accepted path is that branch the
+        rejected cells are the cache's top ones and are freed at once. Leaves the last
+        tree's slot in use."""
+        self._settle()
+        rows: list[Row] = []
+        kept_chunks = []
+        for chunk in chunks:
+            self.use_slot(chunk.slot)
+            base = len(self.cached) + sum(len(t) for s, t in kept_chunks if s == chunk.slot)
+            rows += [Row(t, base + i, (self.seq,), False) for i, t in enumerate(chunk.tokens)]
+            kept_chunks.append((chunk.slot, list(chunk.tokens)))
+        tree_rows: list[list[Row]] = []
+        orders: list[list[int]] = []
+        catch_ups = []
+        layouts: list[TreeLayout] = []
+        for item in trees:
+            self.use_slot(item.slot)
+            self._borrow_prefix(item.context[:-1])
+            keep = common_prefix_len(self.cached, item.context[:-1])
+            self._truncate(keep)
+            catch = list(item.context[keep:-1])
+            layout, order, node_seqs = self._lay_out(item.tree, len(item.context) - 1)
+            seq = self.seq
+            for leaf in layout.seqs:
+                self._cp(seq, leaf, mirror=False)  # the tree sees the prefix (ledger: module docstring)
+            rows += [Row(t, keep + i, (seq, *layout.seqs), False) for i, t in enumerate(catch)]
+            tree_rows.append([Row(item.tree.tokens[n], layout.base + item.tree.depths[n], node_seqs[n], True)
+                              for n in order])
+            orders.append(order)
+            catch_ups.append((item.slot, catch))
+            layouts.append(layout)
+        first_tree_row = len(rows)
+        for r in tree_rows:
+            rows += r
+        if self.ledger.free < len(rows) + 1:
+            self._compact()
+            if self.ledger.free < len(rows) + 1:
+                raise ContextOverflowError(
+                    f"The target's cache ({self.ledger.capacity} tokens) cannot hold this pass's {len(rows)} rows "
+                    f"beside what its requests hold: fewer requests at once, or a larger context (n_ctx).")
+        logits, cells = self._decode(rows)
+        self.passes += 1
+        for slot, tokens in kept_chunks:
+            self.use_slot(slot)
+            self.cached += tokens
+        out = []
+        start, out_row = first_tree_row, 0
+        for item, layout, order, (slot, catch), trow in zip(trees, layouts, orders, catch_ups, tree_rows):
+            self.use_slot(slot)
+            self.cached += catch
+            n = len(order)
+            layout.cells = [0] * n
+            per_node = np.empty((n, self.vocab_size), dtype=np.float32)
+            for k, node in enumerate(order):
+                layout.cells[node] = cells[start + k]
+                per_node[node] = logits[out_row + k]
+            start += n
+            out_row += n
+            self._pending[slot] = layout
+            out.append(torch.from_numpy(per_node))
+        return out
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        """Keep the prefix and the accepted path (root first): the request's sequence joins
+        the path's cells; the other nodes' cells are freed where they are the cache's top
+        cells, else left as garbage (llama_cells.py)."""
+        layout = self._pending.pop(self.slot)
+        leaf = layout.leaf_seq[path[-1]]
+        self._cp(leaf, self.seq, layout.base, layout.base + len(path))
+        self.cached += [tree.tokens[n] for n in path]
+        self._drop_tree(layout, keep={layout.cells[n] for n in path})
+
+    # --- inside ----------------------------------------------------------------------
+
+    def _lay_out(self, tree: TokenTree, base: int) -> tuple[TreeLayout, list[int], list[tuple[int, ...]]]:
+        """A tree's rows: its nodes depth first, each node's children best (highest
+        score) first; a sequence per leaf; per node the sequences of the leaves below it."""
+        children: list[list[int]] = [[] for _ in range(len(tree))]
+        for n in range(1, len(tree)):
+            children[tree.parents[n]].append(n)
+        order, stack = [], [0]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack += sorted(children[n], key=lambda c: (tree.scores[c], -c))  # best popped first
+        leaves = [n for n in order if not children[n]]
+        if len(leaves) > len(self._free_seqs):
+            raise RuntimeError(f"a tree of {len(leaves)} leaves needs more sequence ids than the target's "
+                               f"context has free ({len(self._free_seqs)})")
+        leaf_seq = {n: self._free_seqs.pop() for n in leaves}
+        below: list[list[int]] = [[] for _ in range(len(tree))]
+        for leaf, seq in leaf_seq.items():
+            n = leaf
+            while n >= 0:
+                below[n].append(seq)
+                n = tree.parents[n]
+        layout = TreeLayout(base, [], [b[0] for b in below], list(leaf_seq.values()))
+        return layout, order, [tuple(b) for b in below]
+
+    def _drop_tree(self, layout: TreeLayout, keep: set[int]) -> None:
+        """Drop a tree's leaf sequences; its cells outside `keep` become free or garbage."""
+        rejected = [c for c in layout.cells if c not in keep]
+        if rejected and not self._at_top(rejected):
+            for seq in layout.seqs:
+                self._cp(seq, self.GARBAGE, layout.base)
+        for seq in layout.seqs:
+            self._rm(seq)
+        self._free_seqs += layout.seqs
+        self._free_seqs.sort(reverse=True)
+        self.ledger.trim()
+
+    def _at_top(self, cells: list[int]) -> bool:
+        """Whether `cells` (about to be freed) lie above every cell that stays occupied."""
+        leaving = set(cells)
+        owners = self.ledger.owners
+        c = self.ledger.top - 1
+        while c >= 0 and (c in leaving or not owners[c]):
+            c -= 1
+        return min(leaving) > c
+
+    def _release(self, seq: int, p0: int = -1) -> None:
+        """`seq` leaves its cells at positions >= p0; the cells nobody else holds become
+        free where they are the cache's top cells, else garbage."""
+        owners = self.ledger.owners
+        alone = [c for c in self.ledger.cells_of(seq) if owners[c] == 1 and self.ledger.pos[c] >= max(p0, 0)]
+        if alone and not self._at_top(alone):
+            self._cp(seq, self.GARBAGE, p0)
+        self._rm(seq, p0)
+        self.ledger.trim()
+
+    def _truncate(self, keep: int) -> None:
+        if keep < len(self.cached):
+            self._release(self.seq, keep)
+            del self.cached[keep:]
+
+    def _borrow_prefix(self, prompt: list[int]) -> None:
+        """Take into the slot's sequence the longest prefix of `prompt` another slot holds,
+        where it is longer than what this slot holds: a cell joins the sequence, nothing is
+        computed. If the slot's own cells would then not precede the borrowed ones (a
+        sequence's cells must stay in position order), the slot borrows the whole prefix."""
+        own = common_prefix_len(self.cached, prompt)
+        if own == len(prompt):
+            return
+        best, donor = own, None
+        for state in self.parked_states():
+            if state["_seq"] is None:
+                continue
+            lent = common_prefix_len(state["cached"], prompt)
+            if lent > best:
+                best, donor = lent, state["_seq"]
+        if donor is None:
+            return
+        mine = self.ledger.cells_of(self.seq)[:own]
+        theirs = [c for c in self.ledger.cells_of(donor) if own <= self.ledger.pos[c] < best]
+        start = own if not mine or max(mine) < min(theirs) else 0
+        self._truncate(start)
+        self._cp(donor, self.seq, start, best)
+        self.cached = list(prompt[:best])
+
+    def _settle(self) -> None:
+        """Before the cache changes again: a tree nobody committed (an error between the pass
+        and its commit) is dropped whole; garbage beyond a quarter of the cache is compacted."""
+        for slot in list(self._pending):
+            layout = self._pending.pop(slot)
+            self._drop_tree(layout, keep=set())
+        garbage = sum(1 for c in self.ledger.cells_of(self.GARBAGE) if self.ledger.owners[c] == 1)
+        if garbage > max(256, self.ledger.capacity // 4):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Free the garbage and rewrite the cache without it, in the same order: llama.cpp's
+        whole-state save and restore puts the saved cells at 0, 1, 2, ... (a copy of the
+        cache's used part, once per compaction)."""
+        if not self.ledger.cells_of(self.GARBAGE):
+            return
+        self._rm(self.GARBAGE)
+        lib = self.lib
+        size = lib.llama_state_get_size(self.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_get_data(self.ctx, buf, size)
+        if lib.llama_state_set_data(self.ctx, buf, written) != written:
+            raise RuntimeError("llama.cpp could not restore the target's cache while compacting it")
+        self.ledger.compacted()
+        self.compactions += 1
+
+    def _cp(self, src: int, dst: int, p0: int = -1, p1: int = -1, *, mirror: bool = True) -> None:
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        if mirror:
+            self.ledger.seq_cp(src, dst, p0, p1)
+
+    def _rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+        self.ledger.seq_rm(seq, p0, p1)
+
+    def _decode(self, rows: list[Row]) -> tuple[np.ndarray, list[int]]:
+        """Run the rows in llama_decode calls of at most EXACT_ROWS rows and never one (a
+        lone row takes a dummy beside it); each call reads at least 2 output rows when it
+        reads any. Returns the logits of the rows marked `output`, in order, and each
+        row's cell."""
+        lib, batch = self.lib, self.batch
+        out = np.empty((sum(r.output for r in rows), self.vocab_size), dtype=np.float32)
+        cells: list[int] = []
+        got = 0
+        for part in _split(len(rows), EXACT_ROWS):
+            calls = rows[part.start:part.stop]
+            dummy = len(calls) == 1
+            if dummy:  # a pass of one row: another row, in a sequence of its own, keeps it on 2
+                calls = calls + [Row(calls[0].token, 0, (self.DUMMY,), True)]
+            outputs = [r.output for r in calls]
+            if sum(outputs) == 1:  # the last layer and the head run on 2 rows, as in a tree
+                outputs[next(i for i, o in enumerate(outputs) if not o)] = True
+            batch.n_tokens = len(calls)
+            for j, r in enumerate(calls):
+                batch.token[j] = r.token
+                batch.pos[j] = r.pos
+                batch.n_seq_id[j] = len(r.seqs)
+                for k, s in enumerate(r.seqs):
+                    batch.seq_id[j][k] = s
+                batch.logits[j] = outputs[j]
+            status = lib.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status} ({len(calls)} rows)")
+            placed = self.ledger.append([r.pos for r in calls], [r.seqs for r in calls])
+            for j, r in enumerate(calls[:len(calls) - dummy]):
+                cells.append(placed[j])
+                if r.output:
+                    out[got] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.vocab_size,))
+                    got += 1
+            if dummy:
+                self._rm(self.DUMMY)
+                self.ledger.trim()
+        return out, cells
+
+    def close(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if self.batch is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
+def _split(n: int, size: int) -> list[range]:
+    """0..n in consecutive ranges of at most `size`, none of exactly one unless n == 1."""
+    parts = [range(i, min(i + size, n)) for i in range(0, n, size)]
+    if len(parts) > 1 and len(parts[-1]) == 1:
+        a, b = parts[-2], parts[-1]
+        parts[-2:] = [range(a.start, a.stop - 1), range(a.stop - 1, b.stop)]
+    return parts

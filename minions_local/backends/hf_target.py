@@ -17,7 +17,7 @@ from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import TokenTree
 from minions_local.backends.compact import CompactModel, supports
 from minions_local.backends.compact_streamed import StreamedCompactDecoder
-from minions_local.backends.hf import CachedModel
+from minions_local.backends.hf import CachedModel, context_length
 from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
 from minions_local.offload.binding import layer_weights, uses_int4_kernel
 
@@ -59,6 +59,20 @@ class HFTarget(CachedModel):
             self.use_slot(item.slot)
             out.append(self.verify(item.context, item.tree))
         return out
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a conversation may hold (the model's position limit)."""
+        return context_length(self.model.config)
+
+    def special_ids(self) -> tuple[int | None, set[int]]:
+        """(BOS, the end-of-sequence ids) as the model's config and generation config say."""
+        eos: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            ids = getattr(source, "eos_token_id", None)
+            eos.update([ids] if isinstance(ids, int) else list(ids or []))
+        bos = getattr(self.model.config, "bos_token_id", None)
+        return (bos if isinstance(bos, int) and not isinstance(bos, bool) else None), eos
 
     def features_of(self, tokens: list[int]) -> torch.Tensor:
         """Features [m, d] of the longest prefix of `tokens` in this target's cache."""

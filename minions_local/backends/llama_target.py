@@ -52,7 +52,7 @@ from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_le
 from minions_local.core.slots import SlotStates
 from minions_local.core.tree import TokenTree
 
-EXACT_ROWS = 32
+EXACT_ROWS = 63
 """Rows per llama_decode: below 64, where ggml's flash attention switches to its tiled
 kernel (GGML_FA_TILE_Q); a pass of more rows runs as several llama_decode calls."""
 

@@ -24,7 +24,7 @@ from minions_local.backends.hf import resolve_dtype
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
-from minions_local.engine.loading import as_policy, context_limit, load_minion, load_target, unique_names
+from minions_local.engine.loading import as_policy, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder, StepResult, snapshot
@@ -51,11 +51,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.profile_name = profile_name
         self.memory_plan = memory_plan
-        self.context_length = context_limit(decoder.target)
+        self.context_length = decoder.target.context_length
         self._busy = threading.Lock()
         self._holder: _Holder | None = None
         self._cancel = threading.Event()
-        self.eos_ids = _eos_ids(decoder.target.model, tokenizer)
+        self.eos_ids = _eos_ids(decoder.target, tokenizer)
 
     # --- construction -----------------------------------------------------------------
 
@@ -336,11 +336,10 @@ class Engine:
 
     def _start_token(self) -> int | None:
         """What an empty prompt starts from: the BOS token (id 0 is a token like any other)."""
-        for source in (self.tokenizer, getattr(self.decoder.target.model, "config", None)):
-            bos = getattr(source, "bos_token_id", None)
-            if isinstance(bos, int) and not isinstance(bos, bool):
-                return bos
-        return None
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if isinstance(bos, int) and not isinstance(bos, bool):
+            return bos
+        return self.decoder.target.special_ids()[0]
 
     def _acquire(self, doing: str) -> None:
         if self._busy.acquire(blocking=False):
@@ -426,11 +425,8 @@ def _render(tokenizer, messages: list[dict[str, Any]]) -> str:
                            argument="messages") from None
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+def _eos_ids(target, tokenizer) -> set[int]:
+    ids = set(target.special_ids()[1])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids

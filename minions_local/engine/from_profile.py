@@ -98,19 +98,20 @@ def engine_tier(plan: MemoryPlan) -> str:
 
 
 def stream_options(profile: Profile, plan: MemoryPlan) -> dict[str, Any]:
-    if engine_tier(plan) == "device":
-        return {}
     tgt = profile.target
+    # A GGUF target's kernel decides where it computes (llama.cpp, or torch's paths).
+    options: dict[str, Any] = {"kernel": tgt.gguf_kernel, "context_tokens": tgt.context_tokens} \
+        if tgt.format == "gguf" else {}
+    if engine_tier(plan) == "device":
+        return options
     # The streaming runtime stores every decoder layer at one quantization; the
     # streamed one is what sets the bytes per pass.
-    options = {
+    options.update({
         "layer_tiers": list(plan.layer_tiers),
         "quant": "gguf" if tgt.format == "gguf" else tgt.streamed_quantization,
         "buffers": plan.buffers.count or tgt.layer_buffers,
         "cache_dir": str(Path(profile.hardware.disk_path).expanduser()),
-    }
-    if tgt.format == "gguf":
-        options["kernel"] = tgt.gguf_kernel
+    })
     return options
 
 

@@ -14,7 +14,7 @@ import torch
 from minions_local.core.minion import BaseMinion, as_minion
 from minions_local.core.protocols import Minion
 from minions_local.offload.dtypes import fast_compute_dtype
-from minions_local.backends.hf import check_model_folder, context_length, load_causal_lm, load_config, resolve_dtype
+from minions_local.backends.hf import check_model_folder, load_causal_lm, load_config, resolve_dtype
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
 from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
@@ -125,9 +125,14 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
         from minions_local.models.smollm2 import shipped_gguf
 
         path = shipped_gguf()  # checked; a missing wheel is named with what to install
+    if runs_on_llama_cpp(device, stream_options.get("kernel", "auto")):
+        from minions_local.backends.llama_load import load_llama_target
+
+        return load_llama_target(path, context_tokens=stream_options.get("context_tokens", 4096), progress=progress)
     streamed = streams(tier, device)
     compute = resolve_compute_dtype(dtype or torch.float32, compute_dtype, device, streamed) or torch.float32
-    options = {k: v for k, v in stream_options.items() if k != "quant" or v not in ("none", "gguf")}
+    options = {k: v for k, v in stream_options.items()
+               if k != "context_tokens" and (k != "quant" or v not in ("none", "gguf"))}
     if not streamed:
         options = {k: v for k, v in options.items() if k == "cache_dir"}
     from minions_local.backends.compact import supports
@@ -142,6 +147,22 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
     from minions_local.models.gguf_target import side_folder
 
     return target, load_tokenizer(side_folder(path), "target")
+
+
+def runs_on_llama_cpp(device: str, kernel: str) -> bool:
+    """Whether a GGUF target computes on llama.cpp (ggml's quantized kernels): on a CPU by
+    default ('auto', when llama-cpp-python is installed), or when asked ('llama.cpp');
+    'int4' and 'dequant' are the torch paths (offload/gguf_streamed.py)."""
+    if kernel == "llama.cpp":
+        if device != "cpu":
+            raise ModelLoadError(f"gguf_kernel = 'llama.cpp' runs the target on the CPU; this one is set to run on "
+                                 f"{device}. Use gguf_kernel = 'auto' there.")
+        return True
+    if kernel != "auto" or device != "cpu":
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,
@@ -373,9 +394,4 @@ def as_policy(policy: Any) -> BudgetPolicy:
     return policy if isinstance(policy, BudgetPolicy) else PolicyAdapter(policy)
 
 
-def context_limit(target: HFTarget) -> int:
-    return context_length(target.model.config)
-
-
-__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "as_policy", "context_limit",
-           "ModelLoadError"]
+__all__ = ["load_target", "load_minion", "check_vocabulary", "unique_names", "as_policy", "ModelLoadError"]

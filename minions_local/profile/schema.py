@@ -133,12 +133,13 @@ class Target(_Section):
         None, description="For a GGUF target whose file is not on this machine (planning with --plan "
         "elsewhere): the llama.cpp quantization it was made with, which sizes its layers. When the file "
         "is here, its own tensor sizes are used.")
-    gguf_kernel: Literal["auto", "int4", "dequant"] = Field(
-        "auto", description="How a GGUF target's streamed 4-bit tensors (Q4_0, Q4_1, Q4_K) are multiplied. "
-        "'int4': as they are, by torch's packed int4 CPU kernel (about 3x less compute a pass; scales rounded "
-        "to bfloat16 and each matmul's input and output to bfloat16: a slightly different, still fixed "
-        "model); 'dequant': dequantized into float32 first (the file's weights exactly); 'auto': int4 on a "
-        "CPU when every layer matrix is 4-bit, else dequant.")
+    gguf_kernel: Literal["auto", "llama.cpp", "int4", "dequant"] = Field(
+        "auto", description="What multiplies a GGUF target's weights. 'llama.cpp': llama.cpp itself, ggml's "
+        "quantized kernels on the file's own blocks (every architecture and type llama.cpp loads; CPU); "
+        "'int4': torch's packed int4 CPU kernel on streamed 4-bit tensors (Q4_0, Q4_1, Q4_K; scales and "
+        "each matmul's input rounded to bfloat16: a slightly different, still fixed model); 'dequant': "
+        "torch, the weights dequantized into float32 as each layer runs; 'auto': llama.cpp on a CPU where "
+        "llama-cpp-python is installed, else int4 where every layer matrix is 4-bit, else dequant.")
     dtype: DType = Field("bfloat16", description="Dtype of the target's weights: what its layers are "
                          "stored and streamed in, and computed in unless compute_dtype says otherwise.")
     compute_dtype: DType | Literal["auto"] = Field(

@@ -1,0 +1,166 @@
+"""Loading a GGUF target onto llama.cpp: the file checked first, the exactness of its
+rows checked once per file and build, and its tokenizer.
+
+The check (`rows_differ`) is the promise llama_target.py makes, tried on the loaded
+file with this build of llama.cpp on this CPU: a prompt read in one chunk and a tree
+below it, against the same prompt read as 1 token + the rest and the tree's deepest
+path as 1-token passes, compared bit for bit (logits and cache entries). A kernel this
+build picks by batch shape for some quant type would fail it; the target then refuses
+to load rather than reply differently from itself. The verdict is kept in the user cache
+by file (size, mtime), llama.cpp build and CPU: at 8B under a memory limit the check
+costs several passes of seconds each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from minions_local.backends.llama_target import LlamaTarget
+from minions_local.backends.llama_vocab import LlamaVocab
+from minions_local.core.errors import ModelLoadError
+from minions_local.core.events import LoadProgress
+from minions_local.core.tree import TokenTree
+
+Progress = Callable[[LoadProgress], None]
+CHECK_VERSION = 1
+
+
+def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
+                      progress: Progress | None = None) -> tuple[LlamaTarget, LlamaVocab]:
+    """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
+    to do when the file is not a usable model or its rows would not be exact here."""
+    from minions_local.models.gguf_file import read_gguf
+
+    file = read_gguf(path)  # a truncated or corrupt file is named here, before llama.cpp reads it
+    total = file.size
+    if progress:
+        progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
+    train = _metadata_int(file.metadata, f"{file.architecture}.context_length")
+    n_ctx = min(context_tokens, train) if train else context_tokens
+    target = LlamaTarget(path, n_ctx=n_ctx + _slack(n_ctx), threads=threads)
+    try:
+        verdict = _cached_verdict(path)
+        if verdict is None:
+            if progress:
+                progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
+            verdict = rows_differ(target)
+            _store_verdict(path, verdict)
+        if verdict:
+            raise ModelLoadError(
+                f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
+                f"({verdict}), so trees would change its replies. Re-quantize it to a K-quant (e.g. Q4_K_M) or "
+                f"report the file's types; its tensor types: {_type_counts(file)}.")
+    except BaseException:
+        target.close()
+        raise
+    if progress:
+        progress(LoadProgress("target", "ram", total, total, "ready"))
+    return target, LlamaVocab(target.lib, target.model)
+
+
+def _slack(n_ctx: int) -> int:
+    """Cells beyond the context window: a pass's tree rows, and garbage waiting to be
+    compacted (llama_cells.py), which compaction frees when it reaches a quarter."""
+    return max(256, n_ctx // 4)
+
+
+def rows_differ(target: LlamaTarget) -> str:
+    """'' when the target's rows are exact on this machine, else what differed. Leaves the
+    target reset."""
+    vocab = target.vocab_size
+    g = np.random.default_rng(0)
+    prompt = [int(t) for t in g.integers(0, vocab, 40)]
+    tree = TokenTree.from_root(prompt[-1])
+    for _ in range(20):
+        tree.add(int(g.integers(0, len(tree))), int(g.integers(0, vocab)), score=float(g.random()))
+    target.use_slot(0)
+    target.reset()
+    target.prefill(prompt)
+    whole = target.verify(prompt, tree).numpy().copy()
+    deepest = max(range(len(tree)), key=lambda n: tree.depths[n])
+    path = [deepest]
+    while path[-1]:
+        path.append(tree.parents[path[-1]])
+    path.reverse()
+    target.reset()
+    # The prompt again, in other pieces: its last row's logits after 1 + 12 + the rest.
+    target.prefill(prompt[:2])
+    target.prefill(prompt[:14])
+    context = list(prompt)
+    problem = ""
+    for node in path:
+        step = TokenTree.from_root(context[-1])
+        logits = target.verify(context, step)[0].numpy()
+        if not np.array_equal(logits, whole[node]):
+            problem = f"tree node {node} at depth {tree.depths[node]}: up to {np.abs(logits - whole[node]).max():.3g}"
+            break
+        target.commit(step, [0])
+        if node != path[-1]:
+            context.append(tree.tokens[path[path.index(node) + 1]])
+    target.reset()
+    return problem
+
+
+def _metadata_int(metadata: dict[str, Any], key: str) -> int | None:
+    value = metadata.get(key)
+    return int(value) if isinstance(value, (int, np.integer)) else None
+
+
+def _type_counts(file) -> str:
+    counts: dict[str, int] = {}
+    for t in file.tensors.values():
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _verdict_key(path: Path) -> str:
+    import platform
+
+    import llama_cpp
+
+    stat = path.stat()
+    stamp = Path(llama_cpp.__file__).parent / ".minions-build"
+    build = stamp.read_text().strip() if stamp.is_file() else ""
+    cpu = ""
+    try:
+        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    raw = f"{CHECK_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{llama_cpp.__version__}|{build}|" \
+          f"{platform.machine()}|{cpu}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _verdicts_file() -> Path:
+    from minions_local.models.builtin import cache_root
+
+    return cache_root() / "llama-row-checks.json"
+
+
+def _cached_verdict(path: Path) -> str | None:
+    try:
+        return json.loads(_verdicts_file().read_text()).get(_verdict_key(path))
+    except (OSError, ValueError):
+        return None
+
+
+def _store_verdict(path: Path, verdict: str) -> None:
+    file = _verdicts_file()
+    try:
+        known = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    known[_verdict_key(path)] = verdict
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(file)
+    except OSError:
+        pass  # a read-only cache: the check runs again next time

@@ -80,6 +80,8 @@ class TreeLayout:
     """Per node: the sequence of a leaf below it (whose cells include the node's path)."""
     seqs: list[int] = field(default_factory=list)
     """The tree's leaf sequences."""
+    kept: bool = True
+    """False: its cells were dropped after the pass (LlamaTarget.verify_batch)."""
 
 
 class LlamaTarget(SlotStates):
@@ -139,6 +141,8 @@ class LlamaTarget(SlotStates):
         self._streamed = lambda: 0
         self.passes = 0
         self.compactions = 0
+        self.trees_apart = 0
+        """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())
 
     def _context_params(self, n_ctx: int, kv_type: str) -> Any:
@@ -230,12 +234,44 @@ class LlamaTarget(SlotStates):
     # --- the pass ------------------------------------------------------------------------
 
     def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
-        """Every request's tree and every prompt chunk in one pass (llama_decode calls of
-        EXACT_ROWS rows): rows that stay (prompt chunks, a request's catch-up) first, then
-        each tree best branch first, so that when the accepted path is that branch the
-        rejected cells are the cache's top ones and are freed at once. Leaves the last
-        tree's slot in use."""
+        """Every request's tree and every prompt chunk in one pass (llama_decode calls of at
+        most EXACT_ROWS rows). Trees whose leaves together need more sequence ids than are
+        free verify after it, one pass each, keeping no cell: their accepted tokens are
+        read again with the request's next tree. Leaves the last tree's slot in use."""
         self._settle()
+        together, after = self._fit(trees)
+        out: dict[int, torch.Tensor] = {}
+        self._pass(trees, together, chunks, out)
+        for i in after:
+            self._pass(trees, [i], (), out, keep=False)
+            self.trees_apart += 1
+        return [out[i] for i in range(len(trees))]
+
+    def _fit(self, trees: Sequence[SlotTree]) -> tuple[list[int], list[int]]:
+        """The trees that share the pass (a prefix of them whose leaves fit the free
+        sequence ids, leaving room for the largest of the rest) and the rest."""
+        leaves = [sum(1 for n in range(len(t.tree)) if not t.tree.children[n]) for t in trees]
+        room = len(self._free_seqs) - sum(1 for t in trees if self._parked_seq(t.slot) is None)
+        if max(leaves, default=0) > room:
+            raise RuntimeError(f"a tree of {max(leaves)} leaves needs more sequence ids than the target has "
+                               f"free ({room}): lower the tree budget or raise `sequences`")
+        k = len(trees)
+        while sum(leaves[:k]) + max(leaves[k:], default=0) > room:
+            k -= 1
+        return list(range(k)), list(range(k, len(trees)))
+
+    def _parked_seq(self, slot: int) -> int | None:
+        if slot == self.slot:
+            return self._seq
+        return self.__dict__.get("_parked", {}).get(slot, {}).get("_seq")
+
+    def _pass(self, trees: Sequence[SlotTree], which: list[int], chunks: Sequence[PromptChunk],
+              out: dict[int, torch.Tensor], *, keep: bool = True) -> None:
+        """One pass over `which` of `trees` and `chunks`: rows that stay (prompt chunks, a
+        request's catch-up) first, then each tree best branch first, so that when the
+        accepted path is that branch the rejected cells are the cache's top ones and are
+        freed at once. Each tree's logits land in `out` by its index; `keep=False`: its
+        cells are dropped at once (see verify_batch)."""
         rows: list[Row] = []
         kept_chunks = []
         for chunk in chunks:
@@ -243,29 +279,25 @@ class LlamaTarget(SlotStates):
             base = len(self.cached) + sum(len(t) for s, t in kept_chunks if s == chunk.slot)
             rows += [Row(t, base + i, (self.seq,), False) for i, t in enumerate(chunk.tokens)]
             kept_chunks.append((chunk.slot, list(chunk.tokens)))
-        tree_rows: list[list[Row]] = []
-        orders: list[list[int]] = []
-        catch_ups = []
-        layouts: list[TreeLayout] = []
-        for item in trees:
+        laid: list[tuple[int, TreeLayout, list[int], list[Row], list[int]]] = []
+        for i in which:
+            item = trees[i]
             self.use_slot(item.slot)
             self._borrow_prefix(item.context[:-1])
-            keep = common_prefix_len(self.cached, item.context[:-1])
-            self._truncate(keep)
-            catch = list(item.context[keep:-1])
+            start = common_prefix_len(self.cached, item.context[:-1])
+            self._truncate(start)
+            catch = list(item.context[start:-1])
             layout, order, node_seqs = self._lay_out(item.tree, len(item.context) - 1)
+            layout.kept = keep
             seq = self.seq
             for leaf in layout.seqs:
                 self._cp(seq, leaf, mirror=False)  # the tree sees the prefix (ledger: module docstring)
-            rows += [Row(t, keep + i, (seq, *layout.seqs), False) for i, t in enumerate(catch)]
-            tree_rows.append([Row(item.tree.tokens[n], layout.base + item.tree.depths[n], node_seqs[n], True)
-                              for n in order])
-            orders.append(order)
-            catch_ups.append((item.slot, catch))
-            layouts.append(layout)
+            rows += [Row(t, start + k, (seq, *layout.seqs), False) for k, t in enumerate(catch)]
+            tree = [Row(item.tree.tokens[n], layout.base + item.tree.depths[n], node_seqs[n], True) for n in order]
+            laid.append((i, layout, order, tree, catch))
         first_tree_row = len(rows)
-        for r in tree_rows:
-            rows += r
+        for _, _, _, tree, _ in laid:
+            rows += tree
         if self.ledger.free < len(rows) + 1:
             self._compact()
             if self.ledger.free < len(rows) + 1:
@@ -277,28 +309,29 @@ class LlamaTarget(SlotStates):
         for slot, tokens in kept_chunks:
             self.use_slot(slot)
             self.cached += tokens
-        out = []
-        start, out_row = first_tree_row, 0
-        for item, layout, order, (slot, catch), trow in zip(trees, layouts, orders, catch_ups, tree_rows):
-            self.use_slot(slot)
+        row, out_row = first_tree_row, 0
+        for i, layout, order, tree, catch in laid:
+            self.use_slot(trees[i].slot)
             self.cached += catch
-            n = len(order)
-            layout.cells = [0] * n
-            per_node = np.empty((n, self.vocab_size), dtype=np.float32)
+            layout.cells = [0] * len(order)
+            per_node = np.empty((len(order), self.vocab_size), dtype=np.float32)
             for k, node in enumerate(order):
-                layout.cells[node] = cells[start + k]
+                layout.cells[node] = cells[row + k]
                 per_node[node] = logits[out_row + k]
-            start += n
-            out_row += n
-            self._pending[slot] = layout
-            out.append(torch.from_numpy(per_node))
-        return out
+            row += len(order)
+            out_row += len(order)
+            if not keep:
+                self._drop_tree(layout, keep=set())
+            self._pending[trees[i].slot] = layout
+            out[i] = torch.from_numpy(per_node)
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         """Keep the prefix and the accepted path (root first): the request's sequence joins
         the path's cells; the other nodes' cells are freed where they are the cache's top
         cells, else left as garbage (llama_cells.py)."""
         layout = self._pending.pop(self.slot)
+        if not layout.kept:  # verified in a pass of its own, its cells dropped: read again next pass
+            return
         leaf = layout.leaf_seq[path[-1]]
         self._cp(leaf, self.seq, layout.base, layout.base + len(path))
         self.cached += [tree.tokens[n] for n in path]
@@ -396,7 +429,8 @@ class LlamaTarget(SlotStates):
         and its commit) is dropped whole; garbage beyond a quarter of the cache is compacted."""
         for slot in list(self._pending):
             layout = self._pending.pop(slot)
-            self._drop_tree(layout, keep=set())
+            if layout.kept:
+                self._drop_tree(layout, keep=set())
         garbage = sum(1 for c in self.ledger.cells_of(self.GARBAGE) if self.ledger.owners[c] == 1)
         if garbage > max(256, self.ledger.capacity // 4):
             self._compact()

@@ -135,6 +135,18 @@ def test_requests_sharing_passes_borrowing_a_prefix_and_compacted_stay_exact(fil
     assert not target.ledger.holes()
 
 
+def test_trees_beyond_the_free_sequence_ids_verify_in_passes_of_their_own(files):
+    """With few sequence ids, the trees that do not fit beside the others verify after
+    them, keeping no cell (their accepted tokens are read again): still exact."""
+    target = new_target(files["Q4_1"], sequences=24)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, target.vocab_size, 40 + 9 * i)] for i in range(3)]
+    tokens, truth, differing = run_requests(target, prompts, 30, rng)
+    assert differing == 0 and tokens == truth
+    assert not target.ledger.holes()
+    assert target.trees_apart > 0
+
+
 def test_a_later_request_borrows_a_prefix_instead_of_reading_it(files):
     target = new_target(files["Q8_0"])
     rng = np.random.default_rng(2)

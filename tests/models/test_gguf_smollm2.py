@@ -8,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.realmodel
 
 
-@pytest.mark.parametrize("kernel", ["auto", "dequant"])
+@pytest.mark.parametrize("kernel", ["int4", "dequant"])
 def test_shipped_gguf_streams_as_blocks_and_speculation_stays_exact(kernel, tmp_path, monkeypatch) -> None:
     from tests.models.conftest import require_wheel
 
@@ -21,7 +21,7 @@ def test_shipped_gguf_streams_as_blocks_and_speculation_stays_exact(kernel, tmp_
     path = resolve_model_path("builtin:smollm2-135m-instruct.gguf")  # the wheel's file, as profiles name it
     options = {"cache_dir": str(tmp_path / "packs"), "buffers": 4, "kernel": kernel}
     alone = Engine.from_pretrained(path, [], target_tier="disk", stream_options=options)
-    assert uses_int4_kernel(alone.decoder.target.model) == (kernel == "auto")  # every layer matrix is Q4_1
+    assert uses_int4_kernel(alone.decoder.target.model) == (kernel == "int4")  # every layer matrix is Q4_1
     stats = alone.decoder.target.stream_stats
     assert 60e6 < stats.bytes_per_pass < 0.45 * 212e6  # the goal: <= 0.45 of the bf16 layers
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]

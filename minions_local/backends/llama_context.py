@@ -21,6 +21,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,15 @@ def import_llama_cpp() -> Any:
         llama_cpp.llama_backend_init()
         _llama = llama_cpp
     return _llama
+
+
+def ggml_function(name: str, restype: Any, argtypes: list[Any]) -> Any:
+    """A function of the ggml library that llama-cpp-python loads but does not bind."""
+    lib = import_llama_cpp()
+    ggml = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libggml-base.so"))
+    fn = getattr(ggml, name)
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
 
 
 @dataclass(frozen=True, slots=True)

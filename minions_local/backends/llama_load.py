@@ -21,20 +21,26 @@ from typing import Any, Callable
 
 import numpy as np
 
+from minions_local.backends.llama_stream import PageCacheStreamer, layer_spans
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
 from minions_local.core.tree import TokenTree
+from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
 CHECK_VERSION = 1
 
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
+                      layer_tiers: list[str] | None = None, window: int = 2,
                       progress: Progress | None = None) -> tuple[LlamaTarget, LlamaVocab]:
     """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
-    to do when the file is not a usable model or its rows would not be exact here."""
+    to do when the file is not a usable model or its rows would not be exact here.
+
+    layer_tiers: the memory plan's tier per decoder layer; layers not on 'device' stream
+    through the page cache, `window` layers ahead of the pass (llama_stream.py)."""
     from minions_local.models.gguf_file import read_gguf
 
     file = read_gguf(path)  # a truncated or corrupt file is named here, before llama.cpp reads it
@@ -43,7 +49,12 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
     train = _metadata_int(file.metadata, f"{file.architecture}.context_length")
     n_ctx = min(context_tokens, train) if train else context_tokens
-    target = LlamaTarget(path, n_ctx=n_ctx + _slack(n_ctx), threads=threads)
+    streamer = None
+    if layer_tiers and any(t != "device" for t in layer_tiers):
+        layers = len(layer_tiers)
+        streamer = PageCacheStreamer([path], layer_spans([file], layers),
+                                     resident={i for i, t in enumerate(layer_tiers) if t == "device"}, window=window)
+    target = LlamaTarget(path, n_ctx=llama_cache_cells(n_ctx), threads=threads, streamer=streamer)
     try:
         verdict = _cached_verdict(path)
         if verdict is None:
@@ -62,12 +73,6 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if progress:
         progress(LoadProgress("target", "ram", total, total, "ready"))
     return target, LlamaVocab(target.lib, target.model)
-
-
-def _slack(n_ctx: int) -> int:
-    """Cells beyond the context window: a pass's tree rows, and garbage waiting to be
-    compacted (llama_cells.py), which compaction frees when it reaches a quarter."""
-    return max(256, n_ctx // 4)
 
 
 def rows_differ(target: LlamaTarget) -> str:

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from minions_local.backends.llama_cells import CellLedger
-from minions_local.backends.llama_context import buffer_report, import_llama_cpp
+from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp
+from minions_local.backends.llama_stream import PageCacheStreamer
 from minions_local.core.errors import ContextOverflowError, ModelLoadError
 from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
 from minions_local.core.slots import SlotStates
@@ -103,7 +104,8 @@ class LlamaTarget(SlotStates):
     SLOT_FIELDS = ("_seq", "cached")
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
-                 kv_type: str = "f16", sequences: int | None = None, n_gpu_layers: int = 0) -> None:
+                 kv_type: str = "f16", sequences: int | None = None, n_gpu_layers: int = 0,
+                 streamer: PageCacheStreamer | None = None) -> None:
         self.path = Path(path).expanduser()
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
@@ -123,6 +125,13 @@ class LlamaTarget(SlotStates):
         if sequences is None:
             sequences = int(np.clip((64 << 20) // (4 * self.vocab_size), 16, 256))
         self.sequences = sequences
+        self.streamer = streamer
+        """Steers the page cache under the file when some layers stream (llama_stream.py)."""
+        self._on_node = None
+        if streamer is not None:
+            get_name = ggml_function("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p])
+            streamer._name = get_name
+            self._on_node = lib.ggml_backend_sched_eval_callback(lambda t, ask, _: streamer.on_node(t, ask))
         self.buffers: dict[str, int] = {}
         """Bytes llama.cpp reported allocating for the context ("KV", "output", "compute")."""
         with buffer_report() as self.buffers:
@@ -131,6 +140,9 @@ class LlamaTarget(SlotStates):
             self.close()
             raise ModelLoadError(f"llama.cpp could not make a context of {n_ctx} cells for {self.path}: too "
                                  f"little memory? Lower the context size.")
+        if streamer is not None and not streamer.attach():
+            self.close()
+            raise ModelLoadError(f"llama.cpp did not map {self.path} into memory, so its layers cannot stream.")
         self.mem = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(EXACT_ROWS + 1, 0, sequences)
         self.ledger = CellLedger(int(lib.llama_n_ctx(self.ctx)))
@@ -138,7 +150,6 @@ class LlamaTarget(SlotStates):
         self._free_seqs = list(range(sequences - 3, -1, -1))  # pop() takes the lowest
         self._pending: dict[int, TreeLayout] = {}
         """Per slot: its tree in the last pass, until its commit."""
-        self._streamed = lambda: 0
         self.passes = 0
         self.compactions = 0
         self.trees_apart = 0
@@ -157,6 +168,9 @@ class LlamaTarget(SlotStates):
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
+        if self._on_node is not None:
+            cparams.cb_eval = self._on_node
+            cparams.cb_eval_user_data = None
         return cparams
 
     # --- what the engine reads of a target ------------------------------------------------
@@ -175,7 +189,7 @@ class LlamaTarget(SlotStates):
         return (bos if bos >= 0 else None), eog
 
     def bytes_streamed(self) -> int:
-        return self._streamed()
+        return self.streamer.bytes_streamed if self.streamer is not None else 0
 
     def weight_bytes(self) -> int:
         return int(self.lib.llama_model_size(self.model))
@@ -486,6 +500,8 @@ class LlamaTarget(SlotStates):
                     batch.seq_id[j][k] = s
                 batch.logits[j] = outputs[j]
             status = lib.llama_decode(self.ctx, batch)
+            if self.streamer is not None:
+                self.streamer.decode_done()
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} ({len(calls)} rows)")
             placed = self.ledger.append([r.pos for r in calls], [r.seqs for r in calls])
@@ -512,6 +528,9 @@ class LlamaTarget(SlotStates):
         if self.model:
             lib.llama_model_free(self.model)
             self.model = None
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
 
     def __del__(self) -> None:
         try:

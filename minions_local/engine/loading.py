@@ -128,7 +128,9 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
     if runs_on_llama_cpp(device, stream_options.get("kernel", "auto")):
         from minions_local.backends.llama_load import load_llama_target
 
-        return load_llama_target(path, context_tokens=stream_options.get("context_tokens", 4096), progress=progress)
+        return load_llama_target(path, context_tokens=stream_options.get("context_tokens", 4096),
+                                 layer_tiers=stream_options.get("layer_tiers"), window=stream_options.get("buffers", 2),
+                                 progress=progress)
     streamed = streams(tier, device)
     compute = resolve_compute_dtype(dtype or torch.float32, compute_dtype, device, streamed) or torch.float32
     options = {k: v for k, v in stream_options.items()
@@ -150,19 +152,13 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
 
 
 def runs_on_llama_cpp(device: str, kernel: str) -> bool:
-    """Whether a GGUF target computes on llama.cpp (ggml's quantized kernels): on a CPU by
-    default ('auto', when llama-cpp-python is installed), or when asked ('llama.cpp');
-    'int4' and 'dequant' are the torch paths (offload/gguf_streamed.py)."""
-    if kernel == "llama.cpp":
-        if device != "cpu":
-            raise ModelLoadError(f"gguf_kernel = 'llama.cpp' runs the target on the CPU; this one is set to run on "
-                                 f"{device}. Use gguf_kernel = 'auto' there.")
-        return True
-    if kernel != "auto" or device != "cpu":
-        return False
-    import importlib.util
+    """Whether a GGUF target computes on llama.cpp (planning.memory_plan.gguf_on_llama_cpp)."""
+    from minions_local.planning.memory_plan import gguf_on_llama_cpp
 
-    return importlib.util.find_spec("llama_cpp") is not None
+    if kernel == "llama.cpp" and device != "cpu":
+        raise ModelLoadError(f"gguf_kernel = 'llama.cpp' runs the target on the CPU; this one is set to run on "
+                             f"{device}. Use gguf_kernel = 'auto' there.")
+    return gguf_on_llama_cpp(kernel, device)
 
 
 def load_minion(spec: Any, *, index: int, target_path: Path, target_tokenizer, target_vocab: int,

@@ -25,7 +25,8 @@ from minions_local.core.errors import MemoryPlanError
 from minions_local.core.tiers import TIERS
 from minions_local.planning.capacity import requests_that_fit
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
-from minions_local.profile.gguf_sizes import gguf_layer_bytes, int4_types
+from minions_local.profile.gguf_sizes import (gguf_layer_bytes, gguf_outside_layers_bytes, int4_types,
+                                              llama_buffer_bytes, llama_cache_cells)
 from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
@@ -200,13 +201,21 @@ def plan_memory(
         if kv:
             bucket.append(Placement(f"KV cache '{m.name}'", tier, kv))
     math = math_dtype or tgt.dtype
-    device_fixed.append(Placement("KV cache target", "device", kv_tokens * dims.kv_bytes_per_token(math)))
+    llama = tgt.format == "gguf" and gguf_on_llama_cpp(tgt.gguf_kernel, hw.device)
     embeddings_tier = "device"
-    if dims.tied_embeddings:
-        device_fixed.append(Placement("embeddings + head (tied)", "device", dims.head_bytes(math)))
+    if llama:  # llama.cpp reads the file's own tensors in place; its KV cache is float16
+        kv_cells = llama_cache_cells(tgt.context_tokens)
+        device_fixed.append(Placement("KV cache target", "device", kv_cells * dims.kv_bytes_per_token("float16")))
+        device_fixed.append(Placement("llama.cpp buffers (logits, compute)", "device", llama_buffer_bytes(dims)))
+        device_fixed.append(Placement("embeddings + head (as in the file)", "device",
+                                      gguf_outside_layers_bytes(tgt.path, tgt.gguf_mix, dims)))
     else:
-        device_fixed.append(Placement("embeddings", "device", dims.embedding_bytes(math)))
-        device_fixed.append(Placement("head", "device", dims.head_bytes(math)))
+        device_fixed.append(Placement("KV cache target", "device", kv_tokens * dims.kv_bytes_per_token(math)))
+        if dims.tied_embeddings:
+            device_fixed.append(Placement("embeddings + head (tied)", "device", dims.head_bytes(math)))
+        else:
+            device_fixed.append(Placement("embeddings", "device", dims.embedding_bytes(math)))
+            device_fixed.append(Placement("head", "device", dims.head_bytes(math)))
 
     budgets = {
         "device": int(hw.device_memory_gb * GB),
@@ -218,7 +227,11 @@ def plan_memory(
 
     resident_b = dims.layer_bytes(tgt.resident_quantization, tgt.dtype)
     streamed_b = buffer_b = dims.layer_bytes(tgt.streamed_quantization, tgt.dtype)
-    if tgt.format == "gguf":
+    if llama:
+        sizes = gguf_layer_bytes(tgt.path, tgt.gguf_mix, dims)
+        streamed_b = resident_b = -(-sum(sizes) // len(sizes))
+        buffer_b, scratch = max(sizes), 0
+    elif tgt.format == "gguf":
         streamed_b, buffer_b, resident_b, scratch = _gguf_layer_costs(tgt, dims, math, hw.device == "cpu")
     n = dims.layers
     cap = n if tgt.resident_layers is None else min(n, tgt.resident_layers)
@@ -231,9 +244,10 @@ def plan_memory(
         if tgt.tier == "device":
             raise MemoryPlanError(_no_room_for_resident(profile, fixed, n, resident_b, budgets["device"]))
         buffers = LayerBuffers(tgt.layer_buffers, buffer_b)
-        device_fixed.append(Placement(f"{buffers.count} layer buffers", "device", buffers.count * buffer_b))
+        what = f"{buffers.count} streamed layers read ahead" if llama else f"{buffers.count} layer buffers"
+        device_fixed.append(Placement(what, "device", buffers.count * buffer_b))
         fixed += buffers.count * buffer_b
-        if tgt.format == "gguf":
+        if tgt.format == "gguf" and not llama:
             device_fixed.append(Placement("dequantization scratch (one layer)", "device", scratch))
             fixed += scratch
         if fixed > budgets["device"]:
@@ -261,6 +275,19 @@ def plan_memory(
     )
     _check_host(profile, plan)
     return plan
+
+
+def gguf_on_llama_cpp(kernel: str, device: str) -> bool:
+    """Whether a GGUF target computes on llama.cpp (backends/llama_target.py): on a CPU by
+    default ('auto', where llama-cpp-python is installed), or when the profile asks
+    ('llama.cpp'); 'int4' and 'dequant' are the torch paths (offload/gguf_streamed.py)."""
+    if kernel == "llama.cpp":
+        return True
+    if kernel != "auto" or device != "cpu":
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _gguf_layer_costs(tgt, dims: ModelDims, math: str, cpu: bool) -> tuple[int, int, int, int]:

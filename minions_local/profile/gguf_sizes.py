@@ -100,3 +100,35 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 named here, with no torch, for the plan; offload/gguf_int4.py packs them."""
 _GROWS = {"Q4_0", "Q4_K"}
 """4-bit types smaller than the int4 kernel's form (18 and 144/8 bytes per 32 weights, against 20)."""
+
+
+def gguf_outside_layers_bytes(path: str | None, mix: str | None, dims: ModelDims) -> int:
+    """Bytes of a GGUF target's tensors outside its decoder layers (embeddings, head, final
+    norm) as the file holds them: a llama.cpp target reads them in place. From the file
+    when it is here, else its mix's type (llama.cpp's _M mixes keep these at Q6_K)."""
+    if path and Path(path).is_file():
+        from minions_local.models.gguf_file import read_gguf
+
+        try:
+            tensors = read_gguf(Path(path)).tensors
+        except ModelLoadError as err:
+            raise ProfileError(str(err)) from None
+        return sum(info.nbytes or 0 for name, info in tensors.items() if not name.startswith("blk."))
+    per_weight = _BYTES_PER_WEIGHT["Q6_K" if mix in _K_MIX_BASE or mix is None else mix]
+    params = dims.embedding_params + (0 if dims.tied_embeddings else dims.head_params)
+    return int(params * per_weight) + dims.hidden * 4
+
+
+def llama_cache_cells(context_tokens: int) -> int:
+    """KV cells a llama.cpp target's cache holds for a context window: the window, and room
+    for a pass's tree rows and for garbage waiting to be compacted (backends/llama_cells.py),
+    which compaction frees once it reaches a quarter of the cache."""
+    return context_tokens + max(256, context_tokens // 4)
+
+
+def llama_buffer_bytes(dims: ModelDims, rows: int = 63) -> int:
+    """An estimate of what llama.cpp allocates beside the KV cache for a target context:
+    the logits rows it keeps per sequence (within 64 MiB: backends/llama_target.py) and a
+    compute buffer for `rows` rows (the loaded target reports its own; this sizes --plan)."""
+    activations = rows * (4 * dims.hidden + 3 * dims.intermediate + dims.vocab) * 4
+    return (64 << 20) + activations

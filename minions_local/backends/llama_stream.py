@@ -1,0 +1,257 @@
+"""Resident what fits, stream the rest: the page cache under a llama.cpp target's file,
+steered layer by layer.
+
+llama.cpp maps the GGUF file and computes on the mapping (weights are never copied:
+repacking is off for the exact target), so the page cache *is* its layer store. Left to
+itself under a memory limit, the kernel evicts whatever it likes and every pass faults
+the file back in 4-16 KiB at a time. Here instead:
+  - the resident layers are locked in memory (mlock, where the process may);
+  - the streamed layers are read ahead, in the order the pass needs them, by a thread of
+    their own (posix_fadvise WILLNEED queues the whole range's reads at once, then
+    MADV_POPULATE_READ maps the pages, so the pass meets no page fault), at most
+    `window` layers ahead of the layer being computed;
+  - a streamed layer is dropped once computed (MADV_DONTNEED unmaps it, POSIX_FADV_DONTNEED
+    takes it out of the page cache), so the resident layers never compete with it;
+  - when a pass ends, the first streamed layers of the next are read while the minions
+    grow its tree.
+
+Where the pass stands comes from llama.cpp itself: the context's eval callback
+(`cb_eval`) is asked about every graph node before it runs, and a node's name ends in
+its layer ("attn_norm-12"). Asking to stop at each layer's first node splits the graph
+there (a thread barrier per layer; the logits are the same bits, checked in the tests),
+and there the streamer waits until that layer is in memory, so a pass never runs ahead
+of its reads. The data always comes from the file's own pages: a late read costs time,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MADV_DONTNEED, MADV_POPULATE_READ = 4, 22
+_LAYER = re.compile(rb"-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [start, end) of one file."""
+
+    file: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def layer_spans(files: Sequence[Any], layers: int) -> list[list[Span]]:
+    """Per decoder layer, the byte ranges of its tensors (`blk.N.*`) in the parsed GGUF
+    files (models/gguf_file.py; several for a split model), merged where they touch."""
+    spans: list[list[Span]] = [[] for _ in range(layers)]
+    for index, file in enumerate(files):
+        for name, t in file.tensors.items():
+            if not name.startswith("blk."):
+                continue
+            layer = int(name.split(".")[1])
+            if layer < layers and t.nbytes:
+                spans[layer].append(Span(index, t.offset, t.offset + t.nbytes))
+    merged = []
+    for parts in spans:
+        out: list[Span] = []
+        for s in sorted(parts, key=lambda s: (s.file, s.start)):
+            if out and out[-1].file == s.file and s.start <= out[-1].end + PAGE:
+                out[-1] = Span(s.file, out[-1].start, max(out[-1].end, s.end))
+            else:
+                out.append(s)
+        merged.append(out)
+    return merged
+
+
+def find_mappings(paths: Sequence[Path]) -> list[int | None]:
+    """For each file, the address its byte 0 would have in this process's mapping of it
+    (llama.cpp maps a GGUF from its first data page: address - offset), read from
+    /proc/self/maps; None where it is not mapped."""
+    wanted = {str(Path(p).resolve()): i for i, p in enumerate(paths)}
+    found: list[int | None] = [None] * len(paths)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            i = wanted.get(parts[5].strip())
+            if i is not None and found[i] is None:
+                found[i] = int(parts[0].split("-")[0], 16) - int(parts[2], 16)
+    return found
+
+
+class _Libc:
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        for name in ("madvise", "mlock", "munlock"):
+            fn = getattr(self.lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_int] if name == "madvise" else [])
+            fn.restype = ctypes.c_int
+
+
+class PageCacheStreamer:
+    """Keeps `resident` layers in memory and streams the others through the page cache,
+    `window` layers ahead of the pass (see the module). `files` are the parsed GGUF
+    files the target maps; attach it to a context with `callback` (cb_eval)."""
+
+    def __init__(self, paths: Sequence[Path], spans: list[list[Span]], resident: set[int], window: int = 2,
+                 ggml_get_name: Any = None) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.spans = spans
+        self.resident = set(resident)
+        self.streamed = [i for i in range(len(spans)) if i not in self.resident]
+        self.window = max(1, window)
+        self.bytes_streamed = 0
+        self.seconds_waiting = 0.0
+        """Time passes spent waiting for a layer's reads (what the reads did not hide)."""
+        self.locked = 0
+        """Bytes of resident layers locked in memory (0 where mlock is not allowed)."""
+        self._libc = _Libc()
+        self._name = ggml_get_name
+        self._fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+        self._bases: list[int | None] = [None] * len(self.paths)
+        self._cond = threading.Condition()
+        self._loaded: set[int] = set()
+        self._next = 0  # index into `streamed` of the next layer the pass needs
+        self._stop = False
+        self._layer = -1  # the layer whose first node the pass last reached
+        self._thread: threading.Thread | None = None
+
+    # --- setting up --------------------------------------------------------------------
+
+    def attach(self) -> bool:
+        """Find llama.cpp's mappings of the files, lock the resident layers and start
+        reading; False where a file is not mapped (llama.cpp loaded without mmap)."""
+        self._bases = find_mappings(self.paths)
+        if any(b is None for b in self._bases):
+            return False
+        for layer in sorted(self.resident):
+            for span in self.spans[layer]:
+                addr, size = self._inner(span)
+                if size and self._libc.lib.mlock(addr, size) == 0:
+                    self.locked += size
+        if self.streamed:
+            self._thread = threading.Thread(target=self._read_ahead, name="target-layer-reads", daemon=True)
+            self._thread.start()
+        return True
+
+    def _addr(self, span: Span) -> tuple[int, int]:
+        """The span in the mapping, widened to whole pages (for reading)."""
+        start = span.start // PAGE * PAGE
+        end = -(-span.end // PAGE) * PAGE
+        return self._bases[span.file] + start, end - start
+
+    def _inner(self, span: Span) -> tuple[int, int]:
+        """The whole pages inside the span (for dropping: a page shared with a neighbour
+        that stays resident is left alone)."""
+        start = -(-span.start // PAGE) * PAGE
+        end = span.end // PAGE * PAGE
+        return self._bases[span.file] + start, max(0, end - start)
+
+    # --- the pass -------------------------------------------------------------------------
+
+    def on_node(self, tensor: Any, ask: bool) -> bool:
+        """cb_eval: asked about each node before it runs. At a layer's first node, stop
+        there (so the graph splits), wait for that layer's reads, and drop the streamed
+        layer before the previous one (fully computed by then)."""
+        if not ask:
+            return True
+        match = _LAYER.search(self._name(tensor) or b"")
+        if match is None:
+            return False
+        layer = int(match.group(1))
+        if layer == self._layer:
+            return False
+        self._layer = layer
+        self._reach(layer)
+        return True
+
+    def _reach(self, layer: int) -> None:
+        with self._cond:
+            self._next = next((k for k, i in enumerate(self.streamed) if i >= layer), len(self.streamed))
+            wanted = set(self._wanted())  # (with few streamed layers, the next pass's may wrap around)
+            dropping = [i for i in self._loaded if i <= layer - 2 and i not in wanted]
+            self._loaded.difference_update(dropping)
+            self._cond.notify_all()
+        for i in dropping:
+            self._drop(i)
+        if layer in self.resident or layer >= len(self.spans):
+            return
+        start = time.perf_counter()
+        with self._cond:
+            while layer not in self._loaded and not self._stop:
+                self._cond.wait(0.5)
+        self.seconds_waiting += time.perf_counter() - start
+
+    def decode_done(self) -> None:
+        """A llama_decode ended: its last streamed layers are dropped, and the next one's
+        first streamed layers are read now (while the minions grow the next tree)."""
+        with self._cond:
+            self._layer = -1
+            self._next = 0
+            keep = set(self._wanted())
+            dropping = [i for i in self._loaded if i not in keep]
+            self._loaded.difference_update(dropping)
+            self._cond.notify_all()
+        for i in dropping:
+            self._drop(i)
+
+    def _wanted(self) -> list[int]:
+        """The streamed layers to have in memory now, in the order the pass needs them."""
+        order = self.streamed[self._next:] + self.streamed[:self._next]
+        return order[:self.window + 1]
+
+    def _read_ahead(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop:
+                    todo = [i for i in self._wanted() if i not in self._loaded]
+                    if todo:
+                        break
+                    self._cond.wait()
+                if self._stop:
+                    return
+                layer = todo[0]
+            self._read(layer)
+            with self._cond:
+                self._loaded.add(layer)
+                self._cond.notify_all()
+
+    def _read(self, layer: int) -> None:
+        for span in self.spans[layer]:
+            os.posix_fadvise(self._fds[span.file], span.start, span.size, os.POSIX_FADV_WILLNEED)
+        for span in self.spans[layer]:
+            addr, size = self._addr(span)
+            self._libc.lib.madvise(addr, size, MADV_POPULATE_READ)
+            self.bytes_streamed += span.size
+
+    def _drop(self, layer: int) -> None:
+        for span in self.spans[layer]:
+            addr, size = self._inner(span)
+            if size:
+                self._libc.lib.madvise(addr, size, MADV_DONTNEED)
+                os.posix_fadvise(self._fds[span.file], addr - self._bases[span.file], size, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

@@ -74,6 +74,14 @@ class LlamaVocab:
         """Token text -> id (as a GGUF stores it: a BPE vocabulary's byte-level strings)."""
         return {self._raw(i): i for i in range(len(self))}
 
+    def base_vocab(self) -> dict[str, int]:
+        """The model's own vocabulary, token text -> id: its normal, byte and control tokens
+        (what transformers' vocabulary `with_added_tokens=False` holds), without user-defined
+        tokens added on top nor a padded vocabulary's unused ids."""
+        lib = self.lib
+        trained = lib.LLAMA_TOKEN_ATTR_NORMAL | lib.LLAMA_TOKEN_ATTR_BYTE | lib.LLAMA_TOKEN_ATTR_CONTROL
+        return {self._raw(i): i for i in range(len(self)) if self.lib.llama_vocab_get_attr(self.vocab, i) & trained}
+
     def _raw(self, token: int) -> str:
         text = self.lib.llama_vocab_get_text(self.vocab, token)
         return text.decode("utf-8", "replace") if text else ""

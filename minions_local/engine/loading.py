@@ -338,7 +338,10 @@ def _base_vocab(tokenizer) -> dict[str, int]:
     tokens on load (a Qwen2 class adds one to the same tokenizer.json), which says
     nothing about whether the ids mean the same text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.get_vocab()
+    if backend is not None:
+        return backend.get_vocab(with_added_tokens=False)
+    base = getattr(tokenizer, "base_vocab", None)  # a llama.cpp target's (backends/llama_vocab.py)
+    return base() if base is not None else tokenizer.get_vocab()
 
 
 def unique_names(minions: list[BaseMinion]) -> None:

@@ -31,7 +31,9 @@ row lands and which sequences hold which cells.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ctypes
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class CellLedger:
@@ -145,3 +147,78 @@ class CellLedger:
             return list(cells)
         hi = p1 if p1 >= 0 else 1 << 62
         return [c for c in cells if p0 <= self.pos[c] < hi]
+
+
+class KVCache:
+    """A llama.cpp context's KV cells kept by the rule above: every change to which
+    sequences hold which cells goes through here, to llama.cpp and to the ledger alike."""
+
+    def __init__(self, lib: Any, ctx: Any, *, garbage_seq: int) -> None:
+        self.lib, self.ctx = lib, ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.ledger = CellLedger(int(lib.llama_n_ctx(ctx)))
+        self.GARBAGE = garbage_seq
+        """The sequence that holds garbage: no token ever names it, so nobody sees it."""
+        self.compactions = 0
+
+    def cp(self, src: int, dst: int, p0: int = -1, p1: int = -1, *, mirror: bool = True) -> None:
+        """llama_memory_seq_cp; `mirror=False` for a tree sequence joining its prefix (see
+        CellLedger)."""
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        if mirror:
+            self.ledger.seq_cp(src, dst, p0, p1)
+
+    def rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """llama_memory_seq_rm, as it is: for cells that stay held, or free at the top."""
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+        self.ledger.seq_rm(seq, p0, p1)
+        self.ledger.trim()
+
+    def release(self, seq: int, p0: int = -1) -> None:
+        """`seq` leaves its cells at positions >= p0; the cells nobody else holds become
+        free where they are the cache's top cells, else garbage."""
+        owners, pos = self.ledger.owners, self.ledger.pos
+        alone = [c for c in self.ledger.cells_of(seq) if owners[c] == 1 and pos[c] >= max(p0, 0)]
+        if alone and not self.at_top(alone):
+            self.cp(seq, self.GARBAGE, p0)
+        self.rm(seq, p0)
+
+    def drop(self, leaving: list[int], seqs: Sequence[int], base: int) -> None:
+        """Remove a tree's sequences; `leaving`, the cells nobody keeps, become free where
+        they are the top ones, else garbage (the tree's cells lie at positions >= `base`)."""
+        if leaving and not self.at_top(leaving):
+            for seq in seqs:
+                self.cp(seq, self.GARBAGE, base)
+        for seq in seqs:
+            self.rm(seq)
+
+    def at_top(self, cells: list[int]) -> bool:
+        """Whether `cells` (about to be freed) lie above every cell that stays occupied."""
+        leaving = set(cells)
+        owners = self.ledger.owners
+        c = self.ledger.top - 1
+        while c >= 0 and (c in leaving or not owners[c]):
+            c -= 1
+        return min(leaving) > c
+
+    def garbage(self) -> int:
+        """Cells only the garbage sequence holds."""
+        owners = self.ledger.owners
+        return sum(1 for c in self.ledger.cells_of(self.GARBAGE) if owners[c] == 1)
+
+    def compact(self) -> None:
+        """Free the garbage and rewrite the cache without it, in the same order: llama.cpp's
+        whole-state save and restore puts the saved cells at 0, 1, 2, ... (a copy of the
+        cache's used part, once per compaction)."""
+        if not self.ledger.cells_of(self.GARBAGE):
+            return
+        self.lib.llama_memory_seq_rm(self.mem, self.GARBAGE, -1, -1)  # holes for a moment: rewritten below
+        self.ledger.seq_rm(self.GARBAGE)
+        lib = self.lib
+        size = lib.llama_state_get_size(self.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_get_data(self.ctx, buf, size)
+        if lib.llama_state_set_data(self.ctx, buf, written) != written:
+            raise RuntimeError("llama.cpp could not restore the target's cache while compacting it")
+        self.ledger.compacted()
+        self.compactions += 1

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from minions_local.backends.llama_cells import CellLedger
+from minions_local.backends.llama_cells import KVCache
 from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp
 from minions_local.backends.llama_stream import PageCacheStreamer
 from minions_local.core.errors import ContextOverflowError, ModelLoadError
@@ -143,15 +143,13 @@ class LlamaTarget(SlotStates):
         if streamer is not None and not streamer.attach():
             self.close()
             raise ModelLoadError(f"llama.cpp did not map {self.path} into memory, so its layers cannot stream.")
-        self.mem = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(EXACT_ROWS + 1, 0, sequences)
-        self.ledger = CellLedger(int(lib.llama_n_ctx(self.ctx)))
-        self.DUMMY, self.GARBAGE = sequences - 1, sequences - 2
+        self.DUMMY = sequences - 1
+        self.cache = KVCache(lib, self.ctx, garbage_seq=sequences - 2)
         self._free_seqs = list(range(sequences - 3, -1, -1))  # pop() takes the lowest
         self._pending: dict[int, TreeLayout] = {}
         """Per slot: its tree in the last pass, until its commit."""
         self.passes = 0
-        self.compactions = 0
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())
@@ -178,7 +176,7 @@ class LlamaTarget(SlotStates):
     @property
     def context_length(self) -> int:
         """Tokens a conversation may hold: the model's trained window, within the cache."""
-        return min(int(self.lib.llama_model_n_ctx_train(self.model)), self.ledger.capacity - 2 * EXACT_ROWS)
+        return min(int(self.lib.llama_model_n_ctx_train(self.model)), self.cache.ledger.capacity - 2 * EXACT_ROWS)
 
     def special_ids(self) -> tuple[int | None, set[int]]:
         """(BOS, every end-of-generation id) from the file's vocabulary."""
@@ -196,7 +194,7 @@ class LlamaTarget(SlotStates):
 
     def kv_bytes_per_token(self) -> int:
         kv = self.buffers.get("KV", 0)
-        return kv // max(self.ledger.capacity, 1)
+        return kv // max(self.cache.ledger.capacity, 1)
 
     # --- slots ----------------------------------------------------------------------
 
@@ -206,7 +204,7 @@ class LlamaTarget(SlotStates):
     def release_slot_state(self, state: dict) -> None:
         seq = state.get("_seq")
         if seq is not None:
-            self._release(seq)
+            self.cache.release(seq)
             self._free_seqs.append(seq)
             self._free_seqs.sort(reverse=True)
 
@@ -222,7 +220,7 @@ class LlamaTarget(SlotStates):
     def reset(self) -> None:
         self._settle()
         if self._seq is not None:
-            self._release(self._seq)
+            self.cache.release(self._seq)
         self.cached = []
 
     def forget_beyond(self, context: list[int]) -> None:
@@ -305,18 +303,18 @@ class LlamaTarget(SlotStates):
             layout.kept = keep
             seq = self.seq
             for leaf in layout.seqs:
-                self._cp(seq, leaf, mirror=False)  # the tree sees the prefix (ledger: module docstring)
+                self.cache.cp(seq, leaf, mirror=False)  # the tree sees the prefix (ledger: module docstring)
             rows += [Row(t, start + k, (seq, *layout.seqs), False) for k, t in enumerate(catch)]
             tree = [Row(item.tree.tokens[n], layout.base + item.tree.depths[n], node_seqs[n], True) for n in order]
             laid.append((i, layout, order, tree, catch))
         first_tree_row = len(rows)
         for _, _, _, tree, _ in laid:
             rows += tree
-        if self.ledger.free < len(rows) + 1:
-            self._compact()
-            if self.ledger.free < len(rows) + 1:
+        if self.cache.ledger.free < len(rows) + 1:
+            self.cache.compact()
+            if self.cache.ledger.free < len(rows) + 1:
                 raise ContextOverflowError(
-                    f"The target's cache ({self.ledger.capacity} tokens) cannot hold this pass's {len(rows)} rows "
+                    f"The target's cache ({self.cache.ledger.capacity} tokens) cannot hold this pass's {len(rows)} rows "
                     f"beside what its requests hold: fewer requests at once, or a larger context (n_ctx).")
         logits, cells = self._decode(rows)
         self.passes += 1
@@ -347,7 +345,7 @@ class LlamaTarget(SlotStates):
         if not layout.kept:  # verified in a pass of its own, its cells dropped: read again next pass
             return
         leaf = layout.leaf_seq[path[-1]]
-        self._cp(leaf, self.seq, layout.base, layout.base + len(path))
+        self.cache.cp(leaf, self.seq, layout.base, layout.base + len(path))
         self.cached += [tree.tokens[n] for n in path]
         self._drop_tree(layout, keep={layout.cells[n] for n in path})
 
@@ -380,38 +378,13 @@ class LlamaTarget(SlotStates):
 
     def _drop_tree(self, layout: TreeLayout, keep: set[int]) -> None:
         """Drop a tree's leaf sequences; its cells outside `keep` become free or garbage."""
-        rejected = [c for c in layout.cells if c not in keep]
-        if rejected and not self._at_top(rejected):
-            for seq in layout.seqs:
-                self._cp(seq, self.GARBAGE, layout.base)
-        for seq in layout.seqs:
-            self._rm(seq)
+        self.cache.drop([c for c in layout.cells if c not in keep], layout.seqs, layout.base)
         self._free_seqs += layout.seqs
         self._free_seqs.sort(reverse=True)
-        self.ledger.trim()
-
-    def _at_top(self, cells: list[int]) -> bool:
-        """Whether `cells` (about to be freed) lie above every cell that stays occupied."""
-        leaving = set(cells)
-        owners = self.ledger.owners
-        c = self.ledger.top - 1
-        while c >= 0 and (c in leaving or not owners[c]):
-            c -= 1
-        return min(leaving) > c
-
-    def _release(self, seq: int, p0: int = -1) -> None:
-        """`seq` leaves its cells at positions >= p0; the cells nobody else holds become
-        free where they are the cache's top cells, else garbage."""
-        owners = self.ledger.owners
-        alone = [c for c in self.ledger.cells_of(seq) if owners[c] == 1 and self.ledger.pos[c] >= max(p0, 0)]
-        if alone and not self._at_top(alone):
-            self._cp(seq, self.GARBAGE, p0)
-        self._rm(seq, p0)
-        self.ledger.trim()
 
     def _truncate(self, keep: int) -> None:
         if keep < len(self.cached):
-            self._release(self.seq, keep)
+            self.cache.release(self.seq, keep)
             del self.cached[keep:]
 
     def _borrow_prefix(self, prompt: list[int]) -> None:
@@ -431,11 +404,11 @@ class LlamaTarget(SlotStates):
                 best, donor = lent, state["_seq"]
         if donor is None:
             return
-        mine = self.ledger.cells_of(self.seq)[:own]
-        theirs = [c for c in self.ledger.cells_of(donor) if own <= self.ledger.pos[c] < best]
+        mine = self.cache.ledger.cells_of(self.seq)[:own]
+        theirs = [c for c in self.cache.ledger.cells_of(donor) if own <= self.cache.ledger.pos[c] < best]
         start = own if not mine or max(mine) < min(theirs) else 0
         self._truncate(start)
-        self._cp(donor, self.seq, start, best)
+        self.cache.cp(donor, self.seq, start, best)
         self.cached = list(prompt[:best])
 
     def _settle(self) -> None:
@@ -445,34 +418,8 @@ class LlamaTarget(SlotStates):
             layout = self._pending.pop(slot)
             if layout.kept:
                 self._drop_tree(layout, keep=set())
-        garbage = sum(1 for c in self.ledger.cells_of(self.GARBAGE) if self.ledger.owners[c] == 1)
-        if garbage > max(256, self.ledger.capacity // 4):
-            self._compact()
-
-    def _compact(self) -> None:
-        """Free the garbage and rewrite the cache without it, in the same order: llama.cpp's
-        whole-state save and restore puts the saved cells at 0, 1, 2, ... (a copy of the
-        cache's used part, once per compaction)."""
-        if not self.ledger.cells_of(self.GARBAGE):
-            return
-        self._rm(self.GARBAGE)
-        lib = self.lib
-        size = lib.llama_state_get_size(self.ctx)
-        buf = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_get_data(self.ctx, buf, size)
-        if lib.llama_state_set_data(self.ctx, buf, written) != written:
-            raise RuntimeError("llama.cpp could not restore the target's cache while compacting it")
-        self.ledger.compacted()
-        self.compactions += 1
-
-    def _cp(self, src: int, dst: int, p0: int = -1, p1: int = -1, *, mirror: bool = True) -> None:
-        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
-        if mirror:
-            self.ledger.seq_cp(src, dst, p0, p1)
-
-    def _rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
-        self.ledger.seq_rm(seq, p0, p1)
+        if self.cache.garbage() > max(256, self.cache.ledger.capacity // 4):
+            self.cache.compact()
 
     def _decode(self, rows: list[Row]) -> tuple[np.ndarray, list[int]]:
         """Run the rows in llama_decode calls of at most EXACT_ROWS rows and never one (a
@@ -504,15 +451,14 @@ class LlamaTarget(SlotStates):
                 self.streamer.decode_done()
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} ({len(calls)} rows)")
-            placed = self.ledger.append([r.pos for r in calls], [r.seqs for r in calls])
+            placed = self.cache.ledger.append([r.pos for r in calls], [r.seqs for r in calls])
             for j, r in enumerate(calls[:len(calls) - dummy]):
                 cells.append(placed[j])
                 if r.output:
                     out[got] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.vocab_size,))
                     got += 1
             if dummy:
-                self._rm(self.DUMMY)
-                self.ledger.trim()
+                self.cache.rm(self.DUMMY)  # the top cell: freed in place
         return out, cells
 
     def close(self) -> None:

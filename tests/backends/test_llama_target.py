@@ -103,7 +103,7 @@ def run_requests(target, prompts, steps, rng, *, reads=(7, 100, 1, 33, 10**6), c
             context += [item.tree.tokens[n] for n in path[1:]] + [int(logits[path[-1]].argmax())]
         passes += 1
         if compact_every and passes % compact_every == 0:
-            target._compact()
+            target.cache.compact()
     return [c[len(p):len(p) + steps] for c, p in zip(contexts, prompts)], [t[0] for t in truths], differing
 
 
@@ -118,7 +118,7 @@ def test_tree_rows_are_the_bits_of_one_token_passes(files, kind):
     tokens, truth, differing = run_requests(target, [prompt], 40, rng)
     assert differing == 0
     assert tokens == truth
-    assert not target.ledger.holes() and target.ledger.in_position_order(target.seq)
+    assert not target.cache.ledger.holes() and target.cache.ledger.in_position_order(target.seq)
 
 
 def test_requests_sharing_passes_borrowing_a_prefix_and_compacted_stay_exact(files):
@@ -128,11 +128,11 @@ def test_requests_sharing_passes_borrowing_a_prefix_and_compacted_stay_exact(fil
     prompts = [shared + [int(t) for t in rng.integers(3, target.vocab_size, n)] for n in (50, 120, 5)]
     tokens, truth, differing = run_requests(target, prompts, 30, rng, compact_every=5)
     assert differing == 0 and tokens == truth
-    assert target.compactions > 0
+    assert target.cache.compactions > 0
     for slot in (1, 2, 3):
         target.use_slot(slot)
-        assert target.ledger.in_position_order(target.seq)
-    assert not target.ledger.holes()
+        assert target.cache.ledger.in_position_order(target.seq)
+    assert not target.cache.ledger.holes()
 
 
 def test_trees_beyond_the_free_sequence_ids_verify_in_passes_of_their_own(files):
@@ -143,7 +143,7 @@ def test_trees_beyond_the_free_sequence_ids_verify_in_passes_of_their_own(files)
     prompts = [[int(t) for t in rng.integers(3, target.vocab_size, 40 + 9 * i)] for i in range(3)]
     tokens, truth, differing = run_requests(target, prompts, 30, rng)
     assert differing == 0 and tokens == truth
-    assert not target.ledger.holes()
+    assert not target.cache.ledger.holes()
     assert target.trees_apart > 0
 
 
@@ -198,12 +198,13 @@ def test_a_hole_below_a_requests_cells_changes_its_rows(files):
     accepted = tree.add(0, truth[0], score=0.5)
     target.verify(prompt, tree)
     layout = target._pending.pop(0)
-    target._cp(layout.leaf_seq[accepted], target.seq, layout.base, layout.base + 2)  # as a commit of [0, accepted]
-    for seq in layout.seqs:
-        target._rm(seq)  # frees the decoy's cells in place: holes below the accepted token's cell...
+    target.cache.cp(layout.leaf_seq[accepted], target.seq, layout.base, layout.base + 2)  # as a commit of [0, accepted]
+    for seq in layout.seqs:  # frees the decoy's cells in place: holes below the accepted token's cell...
+        target.lib.llama_memory_seq_rm(target.cache.mem, seq, -1, -1)
+        target.cache.ledger.seq_rm(seq)
     target._free_seqs += layout.seqs
     target.cached += [prompt[-1], truth[0]]
-    assert target.ledger.holes()
+    assert target.cache.ledger.holes()
     context = prompt + truth[:2]
     differing = 0
     for k in range(4):  # ...which the next tokens fill, below a cell they come after

@@ -46,7 +46,7 @@ def test_speculative_samples_follow_the_gguf_targets_law(tmp_path, tokenizer, mo
     config = tiny_config("llama", layers=2)
     target = random_model(config, seed=5, scale=6.0)
     path = write_gguf(save(target, tmp_path / "target", tokenizer), tmp_path / "target.gguf", "Q4_1")
-    options = {"cache_dir": str(tmp_path / "packs"), "buffers": 2}
+    options = {"cache_dir": str(tmp_path / "packs"), "buffers": 2, "kernel": "dequant"}  # the torch path (llama.cpp: tests/engine/test_llama_engine.py)
     Engine.from_pretrained(path, [], target_tier="disk", stream_options=options)  # writes the side folder
     draft = noisy_copy(target, seed=6, noise=0.2)
     minion = save(draft, tmp_path / "minion")

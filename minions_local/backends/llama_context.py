@@ -36,8 +36,28 @@ _INSTALL_HINT = (
 _GGML_LOG_ERROR = 4
 _llama: Any = None
 _log_callback: Any = None  # must outlive every llama.cpp call that may log
-_log_lines: list[str] | None = None  # while set, every llama.cpp log line lands here too
+_log_sinks: list[tuple[list[str], list[str] | None]] = []
+"""Each open `log_lines` block's lines, and the error lines it holds back from stderr (None: it holds none)."""
 _BUFFER_LINE = re.compile(r"\b(KV|output|compute) buffer size =\s*([0-9.]+) MiB")
+
+
+@contextlib.contextmanager
+def log_lines(*, hold_errors: bool = False) -> Iterator[list[str]]:
+    """Every line llama.cpp logs inside the block. `hold_errors`: its errors reach stderr
+    only if the block ends without raising; a load that fails is then said by the error
+    the caller raises (naming the file and what to do), not by llama.cpp's lines."""
+    sink: tuple[list[str], list[str] | None] = ([], [] if hold_errors else None)
+    _log_sinks.append(sink)
+    try:
+        yield sink[0]
+    except BaseException:
+        if sink[1] is not None:
+            sink[1].clear()
+        raise
+    finally:
+        _log_sinks.remove(sink)
+        if sink[1]:
+            _write_errors(sink[1])
 
 
 @contextlib.contextmanager
@@ -45,15 +65,21 @@ def buffer_report() -> Iterator[dict[str, int]]:
     """Bytes of each buffer llama.cpp reports allocating inside the block ("KV",
     "output", "compute"; summed over devices). Its own report, because the compute
     buffer's size comes from planning a worst-case graph that no formula here mirrors."""
-    global _log_lines
     sizes: dict[str, int] = {}
-    _log_lines = lines = []
-    try:
-        yield sizes
-    finally:
-        _log_lines = None
-        for match in _BUFFER_LINE.finditer("".join(lines)):
-            sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
+    with log_lines() as lines:
+        try:
+            yield sizes
+        finally:
+            for match in _BUFFER_LINE.finditer("".join(lines)):
+                sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
+
+
+def _write_errors(errors: list[str]) -> None:
+    holding = next((held for _, held in reversed(_log_sinks) if held is not None), None)
+    if holding is not None:
+        holding.extend(errors)
+    else:
+        sys.stderr.write("".join(errors))
 
 
 def import_llama_cpp() -> Any:
@@ -74,10 +100,11 @@ def import_llama_cpp() -> Any:
             raise ModelLoadError(f"GGUF minions need llama-cpp-python ({err}): {_INSTALL_HINT}.") from None
 
         def log(level: int, text: bytes, _user: Any) -> None:
-            if _log_lines is not None:
-                _log_lines.append(text.decode("utf-8", "replace"))
+            line = text.decode("utf-8", "replace")
+            for lines, _ in _log_sinks:
+                lines.append(line)
             if level == _GGML_LOG_ERROR:
-                sys.stderr.write(text.decode("utf-8", "replace"))
+                _write_errors([line])
 
         _log_callback = llama_cpp.llama_log_callback(log)
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))

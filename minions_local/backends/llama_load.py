@@ -16,17 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from minions_local.backends.llama_context import log_lines
 from minions_local.backends.llama_stream import PageCacheStreamer, layer_spans
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
 from minions_local.core.tree import TokenTree
+from minions_local.models.llama_probe import unknown_architecture, unknown_architecture_message
 from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
@@ -39,40 +42,57 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
     to do when the file is not a usable model or its rows would not be exact here.
 
+    path: the model's file, or any shard of a split one (llama.cpp is given the first and
+    maps every shard; the streamer steers all of them).
     layer_tiers: the memory plan's tier per decoder layer; layers not on 'device' stream
     through the page cache, `window` layers ahead of the pass (llama_stream.py)."""
-    from minions_local.models.gguf_file import read_gguf
+    from minions_local.models.gguf_file import read_model
 
-    file = read_gguf(path)  # a truncated or corrupt file is named here, before llama.cpp reads it
-    total = file.size
+    model = read_model(path)  # a truncated, corrupt or incomplete model is named here, before llama.cpp reads it
+    path, total = model.path, model.size
     if progress:
         progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
-    train = _metadata_int(file.metadata, f"{file.architecture}.context_length")
+    train = _metadata_int(model.metadata, f"{model.architecture}.context_length")
     n_ctx = min(context_tokens, train) if train else context_tokens
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
         layers = len(layer_tiers)
-        streamer = PageCacheStreamer([path], layer_spans([file], layers),
+        streamer = PageCacheStreamer(model.paths, layer_spans(model.files, layers),
                                      resident={i for i, t in enumerate(layer_tiers) if t == "device"}, window=window)
-    target = LlamaTarget(path, n_ctx=llama_cache_cells(n_ctx), threads=threads, streamer=streamer)
+    target = _open(model, n_ctx=llama_cache_cells(n_ctx), threads=threads, streamer=streamer)
     try:
-        verdict = _cached_verdict(path)
+        verdict = _cached_verdict(model.paths)
         if verdict is None:
             if progress:
                 progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
             verdict = rows_differ(target)
-            _store_verdict(path, verdict)
+            _store_verdict(model.paths, verdict)
         if verdict:
             raise ModelLoadError(
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
                 f"({verdict}), so trees would change its replies. Re-quantize it to a K-quant (e.g. Q4_K_M) or "
-                f"report the file's types; its tensor types: {_type_counts(file)}.")
+                f"report the file's types; its tensor types: {_type_counts(model)}.")
     except BaseException:
         target.close()
         raise
     if progress:
         progress(LoadProgress("target", "ram", total, total, "ready"))
     return target, LlamaVocab(target.lib, target.model)
+
+
+def _open(model: Any, **options: Any) -> LlamaTarget:
+    """LlamaTarget on the model's first file; what llama.cpp said is in the error when it
+    cannot load it (an architecture it does not know, above all)."""
+    with log_lines(hold_errors=True) as lines:
+        try:
+            return LlamaTarget(model.path, **options)
+        except ModelLoadError as err:
+            said = "".join(lines)
+            unknown = unknown_architecture(said)
+            if unknown:
+                raise ModelLoadError(unknown_architecture_message(model.path, unknown)) from None
+            reason = re.findall(r"error loading model: (.*)", said)
+            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason[-1].strip()}.' if reason else ''}") from None
 
 
 def rows_differ(target: LlamaTarget) -> str:
@@ -124,12 +144,12 @@ def _type_counts(file) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _verdict_key(path: Path) -> str:
+def _verdict_key(paths: list[Path]) -> str:
     import platform
 
     import llama_cpp
 
-    stat = path.stat()
+    files = "|".join(f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in paths)
     stamp = Path(llama_cpp.__file__).parent / ".minions-build"
     build = stamp.read_text().strip() if stamp.is_file() else ""
     cpu = ""
@@ -137,8 +157,7 @@ def _verdict_key(path: Path) -> str:
         cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    raw = f"{CHECK_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{llama_cpp.__version__}|{build}|" \
-          f"{platform.machine()}|{cpu}"
+    raw = f"{CHECK_VERSION}|{files}|{llama_cpp.__version__}|{build}|{platform.machine()}|{cpu}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -148,20 +167,20 @@ def _verdicts_file() -> Path:
     return cache_root() / "llama-row-checks.json"
 
 
-def _cached_verdict(path: Path) -> str | None:
+def _cached_verdict(paths: list[Path]) -> str | None:
     try:
-        return json.loads(_verdicts_file().read_text()).get(_verdict_key(path))
+        return json.loads(_verdicts_file().read_text()).get(_verdict_key(paths))
     except (OSError, ValueError):
         return None
 
 
-def _store_verdict(path: Path, verdict: str) -> None:
+def _store_verdict(paths: list[Path], verdict: str) -> None:
     file = _verdicts_file()
     try:
         known = json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
         known = {}
-    known[_verdict_key(path)] = verdict
+    known[_verdict_key(paths)] = verdict
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")

@@ -13,12 +13,19 @@ and the elements. Only this header is parsed here (no numpy, no weights read), s
 opening a 40 GB file costs the size of its vocabulary. Every defect the parser can see
 (a truncated file, a bad magic or version, a tensor past the end of the file) is a
 ModelLoadError that names the file.
+
+A large model usually comes split (llama.cpp's gguf-split): PREFIX-00001-of-00003.gguf
+holds all the metadata and some tensors, each later shard more tensors, and every shard
+says where it stands (`split.no`, `split.count`, `split.tensors.count`). `read_model`
+reads them all as one model from any one of its shards.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import struct
+from functools import cached_property, lru_cache
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +148,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse the header of the GGUF file at `path` (ModelLoadError for any defect)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ModelLoadError(f"The GGUF file {path} does not exist. Check the path (or the profile's 'path').")
+        raise ModelLoadError(f"The GGUF file {path} does not exist. Check the path.")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -191,3 +198,104 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
                 raise _damaged(path, f"tensor {name} lies past the end of the file ({size} bytes; truncated)")
         tensors[name] = TensorInfo(name, kind, shape, data_offset + offset, nbytes)
     return GGUFFile(path, version, metadata, tensors, data_offset, size)
+
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+"""The metadata keys every shard of a split model carries (llama.cpp's llama-arch.cpp)."""
+_SHARD_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+"""llama.cpp's shard names (llama_split_path: "%s-%05d-of-%05d.gguf", numbered from 1)."""
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A model's GGUF files read as one: a single file, or a split model's shards in
+    order (the metadata is the first shard's; tensors from every shard, by name)."""
+
+    files: tuple[GGUFFile, ...]
+
+    @property
+    def path(self) -> Path:
+        """The first shard: what llama.cpp is given (it finds the rest by their names)."""
+        return self.files[0].path
+
+    @property
+    def paths(self) -> list[Path]:
+        return [f.path for f in self.files]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.files[0].metadata
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every shard's tensors (offsets within their own shard: see `files` for which)."""
+        return {name: t for f in self.files for name, t in f.tensors.items()}
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def architecture(self) -> str:
+        return self.files[0].architecture
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        return self.files[0].arch_value(key, default)
+
+
+def shard_paths(path: str | os.PathLike) -> list[Path]:
+    """The files a model path stands for: every shard of a split model, from any one of
+    them, first to last (by llama.cpp's names); else the path alone."""
+    path = Path(path).expanduser()
+    match = _SHARD_NAME.search(path.name)
+    if match is None:
+        return [path]
+    prefix, count = path.name[:match.start()], int(match[2])
+    return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def read_model(path: str | os.PathLike) -> GGUFModel:
+    """The GGUF model at `path`, all its shards when it is split (ModelLoadError names a
+    missing or foreign shard). Cached by each file's size and modification time: the
+    plan asks about one file several times, and a header holds a whole vocabulary."""
+    paths = shard_paths(path)
+    if len(paths) > 1 and not Path(path).expanduser().is_file():
+        paths = [Path(path).expanduser()]  # a name like a shard's, of no file: read_gguf names it
+    stamps = tuple((str(p), *_stamp(p)) for p in paths)
+    return _read_model(stamps)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
+
+
+@lru_cache(maxsize=8)
+def _read_model(stamps: tuple[tuple[str, int, int], ...]) -> GGUFModel:
+    paths = [Path(s[0]) for s in stamps]
+    missing = [p for p in paths if not p.is_file()]
+    if len(paths) > 1 and missing:
+        raise ModelLoadError(f"{missing[0]} is missing: the model is split into {len(paths)} files and llama.cpp "
+                             f"needs every one. Download the missing part{'s' if len(missing) > 1 else ''} "
+                             f"({', '.join(p.name for p in missing)}) into {paths[0].parent}.")
+    files = tuple(read_gguf(p) for p in paths)
+    first = files[0].metadata
+    count = first.get(SPLIT_COUNT, 1)
+    if len(files) == 1 and count not in (0, 1):
+        raise ModelLoadError(f"{paths[0]} is one part of a model split into {count} files, but its name does not "
+                             f"say which (llama.cpp names them NAME-00001-of-{count:05d}.gguf). Give the parts "
+                             f"their names back.")
+    for i, f in enumerate(files):
+        if len(files) > 1 and (f.metadata.get(SPLIT_NO) != i or f.metadata.get(SPLIT_COUNT) != len(files)):
+            raise ModelLoadError(f"{f.path} does not say it is part {i + 1} of {len(files)} (its {SPLIT_NO} is "
+                                 f"{f.metadata.get(SPLIT_NO)!r}, {SPLIT_COUNT} {f.metadata.get(SPLIT_COUNT)!r}): "
+                                 f"the parts come from different downloads. Download the model's parts again.")
+    model = GGUFModel(files)
+    expected = first.get(SPLIT_TENSORS)
+    if len(files) > 1 and expected is not None and expected != len(model.tensors):
+        raise ModelLoadError(f"{paths[0].name} and its other parts hold {len(model.tensors)} tensors where the model "
+                             f"has {expected}: a part is damaged or from another download. Download it again.")
+    return model

@@ -153,40 +153,41 @@ class ModelDims:
 
 
 def dims_from_gguf(path: Path) -> ModelDims:
-    """From a GGUF file's metadata (needs the `gguf` package, an optional dependency)."""
-    try:
-        import gguf
-    except ImportError as err:
-        raise ProfileError(
-            f"reading {path} needs the 'gguf' package (pip install 'minions-local[gguf]'), "
-            "or list the model's dims in the profile"
-        ) from err
-    try:
-        reader = gguf.GGUFReader(str(path))
-        fields = reader.fields
-        arch = fields["general.architecture"].contents()
+    """From a GGUF model's metadata (every shard of a split one; its header only is read)."""
+    from minions_local.core.errors import ModelLoadError
+    from minions_local.models.gguf_file import read_model
 
-        def get(key: str, default: Any = None) -> Any:
-            field = fields.get(f"{arch}.{key}")
-            return field.contents() if field is not None else default
+    try:
+        model = read_model(path)
+        arch = model.architecture
+    except ModelLoadError as err:
+        raise ProfileError(str(err)) from None
 
+    def get(key: str, default: Any = None) -> Any:
+        value = model.arch_value(key, default)
+        if value is None:
+            raise ProfileError(f"{path} lacks {arch}.{key} in its metadata, so its shape is unknown: it is not a "
+                               f"complete model GGUF. Re-download or re-export it.")
+        return value
+
+    try:
         heads = int(get("attention.head_count"))
-        tokens = fields.get("tokenizer.ggml.tokens")
-        vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
-        names = {t.name for t in reader.tensors}
+        tokens = model.metadata.get("tokenizer.ggml.tokens")
+        vocab = model.arch_value("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
         return ModelDims(
             layers=int(get("block_count")),
             hidden=int(get("embedding_length")),
             intermediate=int(get("feed_forward_length")),
             heads=heads,
             kv_heads=int(get("attention.head_count_kv", heads)),
-            vocab=int(vocab),
+            vocab=int(vocab if vocab is not None else get("vocab_size")),
             head_dim=int(get("attention.key_length", 0) or 0),
-            tied_embeddings="output.weight" not in names,
-            max_context=get("context_length"),
+            tied_embeddings="output.weight" not in model.tensors,
+            max_context=model.arch_value("context_length"),
         )
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ProfileError(f"cannot read the model's dimensions from {path}: {err}") from err
+    except (ValueError, TypeError) as err:  # a list where a count belongs, say (per-layer sizes)
+        raise ProfileError(f"cannot read the model's dimensions from {path}'s metadata ({err}): this reader "
+                           f"takes one head count and one MLP size for every layer.") from None
 
 
 def dims_for(path: str | None, known: Any | None, what: str) -> ModelDims:
@@ -196,11 +197,14 @@ def dims_for(path: str | None, known: Any | None, what: str) -> ModelDims:
     The config wins because it describes the weights actually on disk.
     """
     folder = Path(path) if path else None
+    if folder is not None and known is None and not folder.exists():
+        raise ProfileError(f"the {what} {path} does not exist. Check the path (a model folder with a config.json, "
+                           f"or a .gguf file).")
     if folder is not None and folder.is_file():
         folder = folder.parent  # a GGUF file: a config.json beside it, if any
     if folder is not None and (folder / "config.json").is_file():
         return ModelDims.from_folder(folder)
-    if known is None and path and str(path).endswith(".gguf") and Path(path).is_file():
+    if known is None and path and str(path).lower().endswith(".gguf") and Path(path).is_file():
         return dims_from_gguf(Path(path))
     if known is not None:
         fields = {k: v for k, v in known.model_dump().items() if k in ModelDims.__dataclass_fields__}

@@ -47,20 +47,24 @@ def mix_layer_bytes(dims: ModelDims, mix: str) -> list[int]:
 
 
 def file_layer_bytes(path: Path, layers: int) -> list[int]:
-    """Each decoder layer's bytes in the GGUF file at `path` (its header only is read)."""
-    from minions_local.models.gguf_file import read_gguf
-
-    try:
-        tensors = read_gguf(path).tensors
-    except ModelLoadError as err:
-        raise ProfileError(str(err)) from None
+    """Each decoder layer's bytes in the GGUF model at `path` (its headers only are read,
+    every shard's for a split model)."""
     sizes = [0] * layers
-    for name, info in tensors.items():
+    for name, info in _file_tensors(path).items():
         if name.startswith("blk."):
             i = int(name.split(".")[1])
             if i < layers:
-                sizes[i] += info.nbytes
+                sizes[i] += info.nbytes or 0
     return sizes
+
+
+def _file_tensors(path: str | Path) -> dict:
+    from minions_local.models.gguf_file import read_model
+
+    try:
+        return read_model(path).tensors
+    except ModelLoadError as err:
+        raise ProfileError(str(err)) from None
 
 
 def gguf_layer_bytes(path: str | None, mix: str | None, dims: ModelDims, *, int4: bool = False) -> list[int]:
@@ -86,9 +90,7 @@ def int4_types(path: str | None, mix: str | None) -> set[str] | None:
     """The 4-bit types of a GGUF's layer matrices when every one is 4-bit (what the
     int4 kernel takes: offload/gguf_streamed._uses_int4), else None."""
     if path and Path(path).is_file():
-        from minions_local.models.gguf_file import read_gguf
-
-        types = {info.type_name for name, info in read_gguf(Path(path)).tensors.items()
+        types = {info.type_name for name, info in _file_tensors(path).items()
                  if name.startswith("blk.") and len(info.shape) == 2}
     else:
         types = {mix} if mix else set()
@@ -107,13 +109,7 @@ def gguf_outside_layers_bytes(path: str | None, mix: str | None, dims: ModelDims
     norm) as the file holds them: a llama.cpp target reads them in place. From the file
     when it is here, else its mix's type (llama.cpp's _M mixes keep these at Q6_K)."""
     if path and Path(path).is_file():
-        from minions_local.models.gguf_file import read_gguf
-
-        try:
-            tensors = read_gguf(Path(path)).tensors
-        except ModelLoadError as err:
-            raise ProfileError(str(err)) from None
-        return sum(info.nbytes or 0 for name, info in tensors.items() if not name.startswith("blk."))
+        return sum(info.nbytes or 0 for name, info in _file_tensors(path).items() if not name.startswith("blk."))
     per_weight = _BYTES_PER_WEIGHT["Q6_K" if mix in _K_MIX_BASE or mix is None else mix]
     params = dims.embedding_params + (0 if dims.tied_embeddings else dims.head_params)
     return int(params * per_weight) + dims.hidden * 4
@@ -132,3 +128,21 @@ def llama_buffer_bytes(dims: ModelDims, rows: int = 63) -> int:
     compute buffer for `rows` rows (the loaded target reports its own; this sizes --plan)."""
     activations = rows * (4 * dims.hidden + 3 * dims.intermediate + dims.vocab) * 4
     return (64 << 20) + activations
+
+
+QUANTIZE_TYPES = (("Q8_0", 8.5), ("Q6_K", 6.6), ("Q5_K_M", 5.7), ("Q4_K_M", 4.8), ("Q3_K_M", 3.9), ("Q2_K", 3.0),
+                  ("IQ2_XS", 2.4), ("IQ1_M", 1.8))
+"""llama-quantize's usual types, by the bits a weight of a Llama's layer matrices takes in
+each (block scales included; the mixes' tensors kept at more bits counted in): what a
+file too large for its memory could be re-quantized to."""
+
+
+def layer_bits_per_weight(path: str | None, mix: str | None, dims: ModelDims) -> float:
+    """Bits a weight of a GGUF's decoder layers takes: from its file, else its mix."""
+    weights = dims.layers * (dims.attention_params + dims.mlp_params)
+    return 8 * sum(gguf_layer_bytes(path, mix, dims)) / weights
+
+
+def fewer_bits(bits: float) -> tuple[str, float] | None:
+    """The llama-quantize type one step below `bits` per weight and its bits, or None below the last."""
+    return next(((name, b) for name, b in QUANTIZE_TYPES if b < bits - 0.3), None)

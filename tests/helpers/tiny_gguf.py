@@ -31,19 +31,23 @@ def k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
 
 def write_gguf(src: Path, out: Path, layer_type: str = "Q4_1", *, embedding_type: str = "Q8_0",
                types: dict[str, str] | None = None, architecture: str | None = None, skip: tuple = (),
-               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0, shard_tensors: int = 0,
+               chat_template: bool = True) -> Path:
     """Write the HF folder `src` as a GGUF at `out`: 2-D layer weights in `layer_type`
     (or `types[gguf name]`), the embedding (and an untied head) in `embedding_type`,
-    norms in F32. `skip` leaves tensors out, `architecture` overrides the name in the file."""
+    norms in F32. `skip` leaves tensors out, `architecture` overrides the name in the file.
+    `shard_tensors`: split the model into files of that many tensors, as llama.cpp's
+    gguf-split does (the `split.*` keys in each; the metadata in the first, named
+    OUT-00001-of-0000N.gguf), and return the first. `chat_template`: write the tokenizer's."""
     import gguf
 
     hparams = read_hyperparams(src)
     vocab = read_vocab(src, hparams.vocab_size)
-    writer = gguf.GGUFWriter(str(out), architecture or hparams.architecture)
+    writer = gguf.GGUFWriter(str(out), architecture or hparams.architecture, split_max_tensors=shard_tensors)
     writer.add_name(src.name)
     hparams.add_to(writer)
     vocab.add_to(writer)
-    if vocab.chat_template:
+    if vocab.chat_template and chat_template:
         writer.add_chat_template(vocab.chat_template)
     for i, (name, array) in enumerate(iter_tensors(src, hparams)):
         if name in skip:
@@ -70,4 +74,4 @@ def write_gguf(src: Path, out: Path, layer_type: str = "Q4_1", *, embedding_type
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return writer.format_shard_names(Path(out))[0]

@@ -144,6 +144,8 @@ def test_plan_report_for_the_70b_profile_needs_no_weights():
 
 def test_plan_report_without_dims_explains(tmp_path):
     with pytest.raises(ProfileError, match="dimensions are unknown"):
+        plan_report("rtx4090-70b", target=str(tmp_path))  # a folder without a config.json
+    with pytest.raises(ProfileError, match="the target .*missing does not exist. Check the path"):
         plan_report("rtx4090-70b", target=str(tmp_path / "missing"))
 
 

@@ -78,6 +78,7 @@ def run_plain(
         engine = _load(profile, overrides, engine_factory, io)
         if engine is None:
             return 1
+        _say_choices(engine, io)
         if resumed:
             return _continue(engine, prompt, conversation, store, io)
         return _complete(engine, prompt, conversation, io)
@@ -94,6 +95,14 @@ def run_plain(
     except KeyboardInterrupt:
         io.err("")
         return 130
+
+
+def _say_choices(engine: Any, io: PlainIO) -> None:
+    """What was chosen for a target named on the command line (memory, minions), on
+    stderr; the REPL and the app show it within the memory plan."""
+    plan = getattr(engine, "memory_plan", None)
+    for line in plan.choices() if hasattr(plan, "choices") else []:
+        io.err(f"minions-chat: {line.strip()}")
 
 
 def _read_piped(io: PlainIO) -> str | None:

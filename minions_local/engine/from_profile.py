@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from minions_local.core.tiers import streams
-from minions_local.planning.memory_plan import MemoryPlan, plan_memory
-from minions_local.profile import Profile, load_profile
+from minions_local.planning.fitting import load_fitted
+from minions_local.planning.memory_plan import MemoryPlan
+from minions_local.profile import Profile
 
 
 def engine_kwargs_from_profile(
@@ -28,14 +29,16 @@ def engine_kwargs_from_profile(
     """Keyword arguments for Engine.from_pretrained; `options` (its own keywords) win.
 
     target / minions / tier: the same overrides as load_profile (the CLI's --target,
-    --minion). Raises ProfileError or MemoryPlanError with a message for the user.
+    --minion); a GGUF target on a CPU profile is fitted to this machine (planning/fitting.py).
+    Raises ProfileError or MemoryPlanError with a message for the user.
     """
-    profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
+    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier)
+    profile = fitted.profile
     check_format(profile)
-    plan = plan_memory(profile)
+    plan = fitted.plan()
     math = target_math(profile, plan, options.get("dtype"), options.get("compute_dtype"))
     if math != profile.target.dtype:  # its KV cache, embeddings and head are held wider
-        plan = plan_memory(profile, math_dtype=math)
+        plan = fitted.plan(math_dtype=math)
     kwargs = {
         "target": profile.target.path,
         "minions": [minion_spec(m, profile.hardware.device) for m in profile.minions],

@@ -17,10 +17,11 @@ from minions_local.offload.dtypes import fast_compute_dtype
 from minions_local.backends.hf import check_model_folder, load_causal_lm, load_config, resolve_dtype
 from minions_local.backends.hf_minion import HFMinion
 from minions_local.backends.hf_target import HFTarget, exact_target
-from minions_local.core.errors import ModelLoadError, VocabularyMismatchError
+from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress, StepRecord
 from minions_local.core.tiers import TIERS, streams
 from minions_local.engine.text import load_tokenizer
+from minions_local.models.vocabulary import mismatch, model_tokens, tokens_differ
 from minions_local.speculation.budget import BudgetPolicy, StepBudget
 
 Progress = Callable[[LoadProgress], None]
@@ -228,8 +229,12 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
     if text.endswith(".gguf"):
         from minions_local.backends.gguf import GGUFMinion
 
+        tokens = model_tokens(text)  # from its header: a minion off the target's vocabulary is not loaded at all
+        if tokens is not None:
+            check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), tokens, len(tokens))
         minion = GGUFMinion.from_path(Path(text).expanduser(), n_gpu_layers=gguf_gpu_layers(device, text))
-        check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
+        if tokens is None:
+            check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
         return minion
     path = check_model_folder(prepare_builtin(text, progress), f"minion {index}")
     config = load_config(path, f"minion {index}")
@@ -317,8 +322,14 @@ def gguf_gpu_layers(device: str, name: str) -> int:
 
 def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_path: Path, minion_tok,
                      minion_vocab: int) -> None:
-    """A minion must speak the target's vocabulary, or its drafts mean nothing."""
-    if target_tok is not None and minion_tok is not None:
+    """A minion must speak the target's vocabulary, or its drafts mean nothing.
+
+    Two tokenizers compare their trained vocabularies. A GGUF minion's token list (read
+    from its metadata: `minion_tok` a list) compares id by id with the target's whole
+    vocabulary, and the embeddings' rows must agree: two families may share a
+    vocabulary's size and nothing else."""
+    detail = ""
+    if target_tok is not None and minion_tok is not None and not isinstance(minion_tok, list):
         t_vocab, m_vocab = _base_vocab(target_tok), _base_vocab(minion_tok)
         t_size, m_size = len(t_vocab), len(m_vocab)
         same = t_vocab == m_vocab
@@ -326,11 +337,21 @@ def check_vocabulary(target_path: Path, target_tok, target_vocab: int, minion_pa
         t_size = len(target_tok) if target_tok is not None else target_vocab
         m_size = minion_vocab
         same = target_vocab == minion_vocab
+        t_list, m_list = _token_list(target_tok), _token_list(minion_tok)
+        if same and t_list is not None and m_list is not None:
+            detail = tokens_differ(t_list, m_list, padded=True)
+            same = not detail
     if not same:
-        raise VocabularyMismatchError(
-            f"The minion {minion_path} does not share the target's vocabulary: target {target_path} has "
-            f"{t_size} tokens, minion has {m_size}{' (a different token mapping)' if t_size == m_size else ''}. "
-            f"Use minions trained on the target's tokenizer (same model family).")
+        raise mismatch(target_path, t_size, minion_path, m_size, detail)
+
+
+def _token_list(tokens) -> list[str] | None:
+    """Token text by id: a list as it is (a GGUF's metadata), else a tokenizer's whole
+    vocabulary (added tokens included; None where its ids leave gaps)."""
+    if tokens is None or isinstance(tokens, list):
+        return tokens
+    by_id = {i: t for t, i in tokens.get_vocab().items()}
+    return [by_id[i] for i in range(len(by_id))] if set(by_id) == set(range(len(by_id))) else None
 
 
 def _base_vocab(tokenizer) -> dict[str, int]:

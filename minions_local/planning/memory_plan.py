@@ -13,7 +13,8 @@ so `--plan` works for a 70B target on a laptop. The order of claims on device me
 
 The embeddings, final norm and head stay on the device, as the streaming runtime
 (offload/streamed.py) loads them. On a CPU box the "device" is RAM, and the budgets
-are the shares of it the profile grants to each use.
+are the shares of it the profile grants to each use, or, for a target named on the
+command line, the memory this machine has free now (machine_memory.py, fitting.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pathlib import Path
 from minions_local.core.errors import MemoryPlanError
 from minions_local.core.tiers import TIERS
 from minions_local.planning.capacity import requests_that_fit
+from minions_local.planning.machine_memory import MachineMemory
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
-from minions_local.profile.gguf_sizes import (gguf_layer_bytes, gguf_outside_layers_bytes, int4_types,
-                                              llama_buffer_bytes, llama_cache_cells)
+from minions_local.profile.gguf_sizes import (fewer_bits, gguf_layer_bytes, gguf_outside_layers_bytes, int4_types,
+                                              layer_bits_per_weight, llama_buffer_bytes, llama_cache_cells)
 from minions_local.profile.schema import Minion, Profile
 
 GB = 1e9
@@ -71,6 +73,10 @@ class MemoryPlan:
     name: str = ""
     math_dtype: str = ""
     """What the target computes in, where that is not its weights' dtype ('' = the same)."""
+    machine: MachineMemory | None = None
+    """Where the device budget came from when it is this machine's free memory, not the profile's."""
+    notes: tuple[str, ...] = ()
+    """What was chosen for a target named on the command line, and why (planning/fitting.py)."""
 
     @property
     def resident_layers(self) -> int:
@@ -115,8 +121,9 @@ class MemoryPlan:
             f"Memory plan{f' for {self.name}' if self.name else ''} ({self.device}): target "
             f"{d.layers} layers, {_gb(self.target_layer_bytes)} of layers, "
             f"{_gb(self.streamed_bytes_per_pass)} streamed per pass",
-            f"{'tier':<7} {'budget':>9} {'used':>9}  contents",
         ]
+        lines += self.choices()
+        lines.append(f"{'tier':<7} {'budget':>9} {'used':>9}  contents")
         for tier in TIERS:
             n_layers = self.layer_tiers.count(tier)
             items = [f"{n_layers} target layers {_gb(self._layer_sum(tier))}"] if n_layers else []
@@ -145,6 +152,12 @@ class MemoryPlan:
         lines.append(fit)
         return "\n".join(lines)
 
+    def choices(self) -> list[str]:
+        """What was fitted to this machine, a line each: the budget's source, the minions, the context."""
+        memory = [f"memory: {self.machine.describe()}; the layers that do not fit stream from the file through "
+                  f"the page cache"] if self.machine is not None else []
+        return [f"  {line}" for line in memory + list(self.notes)]
+
     @property
     def kv_per_request(self) -> int:
         """Cache bytes one more concurrent request needs (continuous batching: every
@@ -170,6 +183,7 @@ def plan_memory(
     target_dims: ModelDims | None = None,
     minion_dims: dict[str, ModelDims] | None = None,
     math_dtype: str | None = None,
+    machine: MachineMemory | None = None,
 ) -> MemoryPlan:
     """Place the target's layers, minions, KV caches and buffers within the budgets.
 
@@ -177,6 +191,8 @@ def plan_memory(
     math_dtype: what the target computes in when that is not its weights' dtype (bf16
     weights streamed into float32 math): its KV cache, embeddings and head are held in
     it; its layers are stored in the weights' dtype all the same.
+    machine: set when the device budget is this machine's free memory (a command-line
+    target: planning/fitting.py): the plan says so, and so do its errors.
     Raises MemoryPlanError (with the numbers and what to change) when they cannot fit.
     """
     hw, tgt = profile.hardware, profile.target
@@ -251,13 +267,13 @@ def plan_memory(
             device_fixed.append(Placement("dequantization scratch (one layer)", "device", scratch))
             fixed += scratch
         if fixed > budgets["device"]:
-            raise MemoryPlanError(_no_room_for_minimum(profile, device_fixed, budgets["device"]))
+            raise MemoryPlanError(_no_room_for_minimum(profile, device_fixed, dims, machine))
         resident = min(cap, (budgets["device"] - fixed) // resident_b)
-        tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
+        tiers = _place_streamed(profile, dims, resident, streamed_b, host_fixed, budgets)
         if cuda and "disk" in tiers:
             # Disk reads land in pinned staging buffers before crossing PCIe: make room.
             host_fixed.append(Placement("disk staging buffers", "ram", buffers.count * buffer_b))
-            tiers = _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets)
+            tiers = _place_streamed(profile, dims, resident, streamed_b, host_fixed, budgets)
     layer_bytes = [resident_b if t == "device" else streamed_b for t in tiers]
     plan = MemoryPlan(
         layer_tiers=tiers,
@@ -272,6 +288,7 @@ def plan_memory(
         embeddings_tier=embeddings_tier,
         name=profile.name,
         math_dtype=math_dtype or "",
+        machine=machine,
     )
     _check_host(profile, plan)
     return plan
@@ -322,8 +339,9 @@ def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):
     return size, kv_tokens * dims.kv_bytes_per_token(m.dtype), dims
 
 
-def _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets) -> list[str]:
+def _place_streamed(profile, dims, resident, streamed_b, host_fixed, budgets) -> list[str]:
     tgt, hw = profile.target, profile.hardware
+    n = dims.layers
     remaining = n - resident
     host_free = budgets["ram"] - sum(p.bytes for p in host_fixed)
     n_ram = max(0, min(remaining, host_free // streamed_b)) if host_free > 0 else 0
@@ -335,7 +353,7 @@ def _place_streamed(profile, n, resident, streamed_b, host_fixed, budgets) -> li
             f"({_gb(remaining * streamed_b)} at {tgt.streamed_quantization}) but "
             f"hardware.host_ram_gb = {hw.host_ram_gb} leaves room for {n_ram} "
             f"(host RAM needed: {_gb(need)}). Change one of: raise hardware.host_ram_gb to "
-            f"{need / GB:.1f}, {_fewer_bytes(tgt)}, or set target.tier = 'disk'."
+            f"{need / GB:.1f}, {_fewer_bytes(tgt, dims)}, or set target.tier = 'disk'."
         )
     if n_disk * streamed_b > budgets["disk"]:
         raise MemoryPlanError(
@@ -358,16 +376,23 @@ def _check_host(profile: Profile, plan: MemoryPlan) -> None:
         )
 
 
-def _no_room_for_minimum(profile: Profile, fixed: list[Placement], budget: int) -> str:
+def _no_room_for_minimum(profile: Profile, fixed: list[Placement], dims: ModelDims,
+                         machine: MachineMemory | None) -> str:
     total = sum(p.bytes for p in fixed)
     items = ", ".join(f"{p.what} {_gb(p.bytes)}" for p in fixed)
     tgt = profile.target
+    if machine is not None:  # nothing here is the user's to set but the memory and the file
+        return (
+            f"{tgt.path} needs {_gb(total)} of memory before any of its layers stays resident, with a context "
+            f"of {tgt.context_tokens} tokens ({items}), but this machine has {machine.describe()}. Free memory "
+            f"(close other programs, or raise the container's memory limit), or {_fewer_bytes(tgt, dims)}."
+        )
     return (
         f"{profile.name}: the device needs {_gb(total)} before any target layer stays "
         f"resident ({items}), but hardware.device_memory_gb = {profile.hardware.device_memory_gb}. "
         f"Change one of: raise hardware.device_memory_gb to {total / GB:.1f}; lower "
         f"target.context_tokens (now {tgt.context_tokens}); set target.layer_buffers = 1 "
-        f"(now {tgt.layer_buffers}); {_fewer_bytes(tgt)}; quantize "
+        f"(now {tgt.layer_buffers}); {_fewer_bytes(tgt, dims)}; quantize "
         "the minions (quantization = 'nf4') or use fewer of them."
     )
 
@@ -383,10 +408,17 @@ def _no_room_for_resident(profile: Profile, fixed: int, n: int, layer_b: int, bu
     )
 
 
-def _fewer_bytes(tgt) -> str:
-    if tgt.format == "gguf":
-        return "use a GGUF of fewer bits (llama-quantize, e.g. Q4_K_M)"
-    return "set target.streamed_quantization = 'int4'"
+def _fewer_bytes(tgt, dims: ModelDims) -> str:
+    """What would shrink the target's layers: for a GGUF, a type below the file's own."""
+    if tgt.format != "gguf":
+        return "set target.streamed_quantization = 'int4'"
+    bits = layer_bits_per_weight(tgt.path, tgt.gguf_mix, dims)
+    smaller = fewer_bits(bits)
+    if smaller is None:
+        return (f"give it more memory (its layers take {bits:.1f} bits a weight, fewer than llama-quantize's "
+                f"usual types)")
+    return (f"use a GGUF of fewer bits (its layers take {bits:.1f} bits a weight; a {smaller[0]} takes about "
+            f"{smaller[1]:.1f}: llama-quantize it from the original weights)")
 
 
 def _runs(tiers: list[str]) -> list[str]:

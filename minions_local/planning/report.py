@@ -12,8 +12,8 @@ import os
 from typing import Iterable, Sequence
 
 from minions_local.planning.cost_prior import cost_model_from_profile
-from minions_local.planning.memory_plan import plan_memory
-from minions_local.profile.loader import load_profile
+from minions_local.planning.fitting import load_fitted
+from minions_local.planning.memory_plan import gguf_on_llama_cpp
 from minions_local.speculation.cost import CostModel
 
 DEFAULT_ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -34,20 +34,19 @@ def plan_report(
     tier: str | None = None,
     acceptance: Sequence[float] = DEFAULT_ACCEPTANCE,
 ) -> str:
-    """The text `minions-chat --profile X --plan` prints. Raises ProfileError/MemoryPlanError."""
-    profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
-    plan = plan_memory(profile)
+    """The text `minions-chat --profile X --plan` prints. Raises ProfileError/MemoryPlanError.
+    A GGUF `target` on a CPU profile is planned for this machine (planning/fitting.py)."""
+    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier)
+    profile, plan = fitted.profile, fitted.plan()
     model = cost_model_from_profile(profile, plan)
     spec = profile.speculation
     hw = profile.hardware
     d = plan.target_dims
-    tgt = profile.target
-    storage = (f"GGUF blocks ({tgt.gguf_mix or 'sizes from the file'}), dequantized into {tgt.dtype}"
-               if tgt.format == "gguf" else
-               f"{tgt.dtype}, resident {tgt.resident_quantization}, streamed {tgt.streamed_quantization}")
     lines = [
-        f"Profile {profile.name}: {profile.description}".rstrip(": "),
-        f"  target {tgt.path}  ({d.params / 1e9:.1f}B params, {d.layers} layers, {storage})",
+        f"Profile {profile.name}: {profile.description}".rstrip(": ") if target is None else
+        f"Profile {profile.name}, its target replaced by the one named on the command line",
+        f"  target {profile.target.path}  ({d.params / 1e9:.1f}B params, {d.layers} layers, "
+        f"{_storage(profile, d)})",
     ]
     for m in profile.minions:
         where = m.path or "(built in)"
@@ -61,6 +60,19 @@ def plan_report(
         "yours) and a tree acceptance model; measured step times refine them online."
     )
     return "\n".join(lines)
+
+
+def _storage(profile, dims) -> str:
+    """How the target's weights are held and computed."""
+    tgt = profile.target
+    if tgt.format != "gguf":
+        return f"{tgt.dtype}, resident {tgt.resident_quantization}, streamed {tgt.streamed_quantization}"
+    from minions_local.profile.gguf_sizes import layer_bits_per_weight
+
+    blocks = tgt.gguf_mix or f"{layer_bits_per_weight(tgt.path, None, dims):.1f} bits a layer weight"
+    if gguf_on_llama_cpp(tgt.gguf_kernel, profile.hardware.device):
+        return f"GGUF blocks ({blocks}), computed as they are by llama.cpp"
+    return f"GGUF blocks ({blocks}), dequantized into {tgt.dtype}"
 
 
 def _cost_lines(model: CostModel, hw) -> str:

@@ -145,9 +145,13 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
         overrides["minions"] = list(args.minions)
     bar = ProgressBar(err)
     try:
-        return Engine.from_profile(args.profile, progress=bar, **overrides)
+        engine = Engine.from_profile(args.profile, progress=bar, **overrides)
     finally:
         bar.done()
+    plan = engine.memory_plan  # what was chosen for a target named on the command line, and why
+    for line in plan.choices() if hasattr(plan, "choices") else []:
+        err.write(f"minions-serve: {line.strip()}\n")
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:

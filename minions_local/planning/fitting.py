@@ -73,7 +73,7 @@ def fit_to_machine(profile: Profile, *, minions_named: bool, tier_named: bool,
     if machine is not None:
         hardware = hardware.model_copy(update={"device_memory_gb": machine.usable / GB, "device_reserve_gb": 0.0,
                                                "host_ram_gb": 0.0, "disk_budget_gb": model.size / GB})
-        if not tier_named:
+        if target.tier != "device" or not tier_named:  # on a CPU, what RAM does not hold comes from the file
             target = target.model_copy(update={"tier": "disk"})
     notes = [] if machine is not None else ["memory: the profile's budgets (this system does not say how much "
                                             "memory is free)"]

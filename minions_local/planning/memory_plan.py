@@ -258,7 +258,7 @@ def plan_memory(
         buffers = LayerBuffers(0, 0)
     else:
         if tgt.tier == "device":
-            raise MemoryPlanError(_no_room_for_resident(profile, fixed, n, resident_b, budgets["device"]))
+            raise MemoryPlanError(_no_room_for_resident(profile, fixed, dims, resident_b, machine))
         buffers = LayerBuffers(tgt.layer_buffers, buffer_b)
         what = f"{buffers.count} streamed layers read ahead" if llama else f"{buffers.count} layer buffers"
         device_fixed.append(Placement(what, "device", buffers.count * buffer_b))
@@ -397,8 +397,16 @@ def _no_room_for_minimum(profile: Profile, fixed: list[Placement], dims: ModelDi
     )
 
 
-def _no_room_for_resident(profile: Profile, fixed: int, n: int, layer_b: int, budget: int) -> str:
+def _no_room_for_resident(profile: Profile, fixed: int, dims: ModelDims, layer_b: int,
+                          machine: MachineMemory | None) -> str:
+    n = dims.layers
     need = fixed + n * layer_b
+    if machine is not None:
+        return (
+            f"{profile.target.path} needs {_gb(need)} to keep all {n} of its layers resident (tier 'device'), "
+            f"but this machine has {machine.describe()}. Leave the tier out to stream the layers that do not "
+            f"fit from the file, free memory, or {_fewer_bytes(profile.target, dims)}."
+        )
     return (
         f"{profile.name}: target.tier = 'device' needs all {n} layers resident: "
         f"{_gb(need)} with everything else, but hardware.device_memory_gb = "

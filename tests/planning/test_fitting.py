@@ -151,3 +151,16 @@ def test_a_bad_file_is_named_with_what_to_do(models, tmp_path, damage):
         want = r"bad.gguf lacks llama.attention.head_count in its metadata, so its shape is unknown"
     with pytest.raises(MinionsError, match=want):
         plan_report("cpu-demo", target=str(path))
+
+
+def test_a_named_tier_on_a_cpu(models):
+    """'ram' is the same memory as the device on a CPU: what it does not hold comes from the
+    file; 'device' that does not fit says so in this machine's terms."""
+    plan = load_fitted("cpu-demo", target=str(models["target"]), machine=PLENTY).plan()
+    tight = MachineMemory(int(plan.bytes_by_tier["device"] - 3 * plan.layer_bytes[0]), "MemAvailable 1 GB", 0)
+    assert load_fitted("cpu-demo", target=str(models["target"]), tier="ram", machine=tight).profile.target.tier == "disk"
+    no_kv = sum(p.bytes for p in plan.placements if not p.what.startswith("KV cache"))  # room for no cache at all
+    short = MachineMemory(no_kv, "MemAvailable 1 GB", 0)
+    with pytest.raises(MemoryPlanError, match=r"target.Q4_K.gguf needs .* to keep all 8 of its layers resident "
+                                              r"\(tier 'device'\), but this machine has .* Leave the tier out"):
+        load_fitted("cpu-demo", target=str(models["target"]), tier="device", machine=short)

@@ -69,6 +69,10 @@ def fit_to_machine(profile: Profile, *, minions_named: bool, tier_named: bool,
     dims = dims_for(profile.target.path, None, "target")
     if gguf_on_llama_cpp(profile.target.gguf_kernel, "cpu"):
         _check_llama_cpp_loads(model.path)
+    first = str(model.path)  # a split model by its first shard, as llama.cpp wants it (and a substitute's source)
+    profile = profile.model_copy(update={
+        "target": profile.target.model_copy(update={"path": first}),
+        "minions": [m.model_copy(update={"path": first}) if m.kind == "substitute" else m for m in profile.minions]})
     hardware, target = profile.hardware, profile.target
     if machine is not None:
         hardware = hardware.model_copy(update={"device_memory_gb": machine.usable / GB, "device_reserve_gb": 0.0,

@@ -164,3 +164,16 @@ def test_a_named_tier_on_a_cpu(models):
     with pytest.raises(MemoryPlanError, match=r"target.Q4_K.gguf needs .* to keep all 8 of its layers resident "
                                               r"\(tier 'device'\), but this machine has .* Leave the tier out"):
         load_fitted("cpu-demo", target=str(models["target"]), tier="device", machine=short)
+
+
+def test_a_split_target_is_named_by_its_first_shard(models, tmp_path):
+    """Any part names the model; llama.cpp, and a substitute made from it, need the first."""
+    from tests.helpers.tiny_gguf import write_gguf
+
+    first = write_gguf(models["target"].parent.parent / "src-big", tmp_path / "big.gguf", "Q4_K",
+                       embedding_type="F16", shard_tensors=40)
+    second = first.with_name(first.name.replace("00001-of", "00002-of"))
+    fitted = load_fitted("cpu-demo", target=str(second), machine=PLENTY)
+    assert fitted.profile.target.path == str(first)
+    assert [m.path for m in fitted.profile.minions if m.kind == "substitute"] == [str(first)]
+    assert fitted.profile.hardware.disk_budget_gb * 1e9 == pytest.approx(first.stat().st_size + second.stat().st_size)

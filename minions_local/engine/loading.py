@@ -21,6 +21,7 @@ from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress, StepRecord
 from minions_local.core.tiers import TIERS, streams
 from minions_local.engine.text import load_tokenizer
+from minions_local.models.gguf_file import shard_paths
 from minions_local.models.vocabulary import mismatch, model_tokens, tokens_differ
 from minions_local.speculation.budget import BudgetPolicy, StepBudget
 
@@ -232,7 +233,8 @@ def _load_minion(spec: MinionSpec, *, index: int, target_path: Path, target_toke
         tokens = model_tokens(text)  # from its header: a minion off the target's vocabulary is not loaded at all
         if tokens is not None:
             check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), tokens, len(tokens))
-        minion = GGUFMinion.from_path(Path(text).expanduser(), n_gpu_layers=gguf_gpu_layers(device, text))
+        first = shard_paths(text)[0]  # llama.cpp loads a split model from its first shard only
+        minion = GGUFMinion.from_path(first, n_gpu_layers=gguf_gpu_layers(device, text))
         if tokens is None:
             check_vocabulary(target_path, target_tokenizer, target_vocab, Path(text), None, minion.vocab_size)
         return minion

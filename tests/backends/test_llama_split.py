@@ -90,3 +90,14 @@ def test_llama_cpp_loads_the_split_model_from_its_first_shard(model):
         finally:
             target.close()
     assert np.array_equal(rows[0], rows[1]) and np.array_equal(rows[0], rows[2])
+
+
+@pytest.mark.gguf
+def test_a_split_minion_is_named_by_any_shard(model):
+    pytest.importorskip("llama_cpp")
+    from minions_local.engine import Engine
+
+    whole, first = model
+    engine = Engine.from_pretrained(whole, [str(first.with_name("model-00002-of-00002.gguf"))], budget=4)
+    assert engine.minion_names == ["model-00001-of-00002"]  # llama.cpp loads it from its first shard
+    assert len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4

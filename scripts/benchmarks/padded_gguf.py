@@ -87,7 +87,7 @@ SHAPES = {
     "8b": Shape("8b", hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, head_dim=128),
     # A small shape that still exercises every step of the recipe (wider residual, two
     # zero layers, 64 -> 128 head dims, kv groups of 3 -> 4), with every matrix dimension
-    # a multiple of 256 so every layer matrix becomes a K-quant: ~160 MB as Q4_K_M.
+    # a multiple of 256 so every layer matrix becomes a K-quant: 174 MB as Q4_K_M, built in ~12 s.
     "small": Shape("small", hidden=768, layers=32, ffn=1536, heads=16, kv_heads=4, head_dim=128),
 }
 

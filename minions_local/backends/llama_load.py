@@ -33,7 +33,7 @@ from minions_local.models.llama_probe import unknown_architecture, unknown_archi
 from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
-CHECK_VERSION = 1
+CHECK_VERSION = 2
 
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
@@ -100,7 +100,7 @@ def rows_differ(target: LlamaTarget) -> str:
     target reset."""
     vocab = target.vocab_size
     g = np.random.default_rng(0)
-    prompt = [int(t) for t in g.integers(0, vocab, 40)]
+    prompt = [int(t) for t in g.integers(0, vocab, 80)]  # read whole: one call of 64+ rows
     tree = TokenTree.from_root(prompt[-1])
     for _ in range(20):
         tree.add(int(g.integers(0, len(tree))), int(g.integers(0, vocab)), score=float(g.random()))

@@ -16,16 +16,19 @@ Exact, as every target: a row gets the bits it would get in a 1-token pass of th
 target decoding that conversation alone from an empty cache, whatever tree, batch,
 chunking or cached prefix it met. llama.cpp by default is not (rows differ by up to 2.4
 in the logits between batch sizes); these settings make it so, each checked on the
-loaded file at load (`check_rows`):
-  - flash attention on, with at most EXACT_ROWS (< 64) rows per llama_decode and never
-    one: ggml's CPU flash attention then runs its per-row kernel (64+ rows take a tiled
-    kernel, 1 row over 512+ cells one that splits the keys between threads);
+loaded file at load (llama_load.rows_differ):
+  - flash attention on, over a q8_0 KV cache: ggml's CPU flash attention then has only
+    its per-row kernel (over a float16 cache, 64+ rows take a tiled kernel and a lone row
+    over 512+ cells one that splits the keys between threads, so there passes hold at
+    most 63 rows and never one);
   - no weight repacking (`use_extra_bufts = False`): the repacked kernels multiply rows
-    in groups of 4; and GGML_CPU_TILED_MM=0 (llama_context.import_llama_cpp): the tiled
-    K-quant kernel, taken from 8 rows, blocks rows too. The plain vec_dot kernel is a
-    dot product per (weight row, activation row);
-  - at least 2 output rows per llama_decode: the last layer and the head run only on
-    output rows, and llamafile's sgemm (F16, some legacy types) takes 2 rows and up;
+    in groups of 4 and the rest apart; and one matmul kernel at every row count for K- and
+    I-quants (GGML_CPU_TILED_MM_FORCE, llama_context.import_llama_cpp): ggml's tiled kernel,
+    which it otherwise takes only from 8 rows, `vec_dot` below (each is row-invariant on
+    its own: per output element, the same sum in the same order, whatever the other rows);
+  - at least 2 output rows per llama_decode of 2 rows or more: the last layer and the
+    head run only on output rows, and llamafile's sgemm (F16, BF16, IQ4_NL: a file with
+    those never runs a lone row) takes 2 rows and up;
   - every sequence's cells in position order (llama_cells.py: attention sums cells in
     cell order).
 A row's keys and values are then what a prompt read of the same tokens writes, so a
@@ -53,9 +56,16 @@ from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_le
 from minions_local.core.slots import SlotStates
 from minions_local.core.tree import TokenTree
 
-EXACT_ROWS = 63
-"""Rows per llama_decode: below 64, where ggml's flash attention switches to its tiled
-kernel (GGML_FA_TILE_Q); a pass of more rows runs as several llama_decode calls."""
+FLOAT_KV_ROWS = 63
+"""Rows per llama_decode with a float16/float32 KV cache: below 64, where ggml's flash
+attention switches to its tiled kernel (GGML_FA_TILE_Q)."""
+QUANTIZED_KV_ROWS = 512
+"""Rows per llama_decode with a q8_0 KV cache: ggml's flash attention has only its per-row
+kernel for quantized keys (neither the tiled one nor the one splitting a lone row's keys
+over threads), so a pass of hundreds of rows is one call, its weights read once."""
+LONE_ROW_TYPES = {"F16", "BF16", "F32", "IQ4_NL"}
+"""Weight types that llamafile's sgemm multiplies from 2 rows up, rounding otherwise than
+the 1-row kernel: a file with such matrices never runs a lone row."""
 
 KV_TYPES = {"f16": 1, "f32": 0, "q8_0": 8}  # GGML_TYPE_*
 
@@ -93,7 +103,13 @@ class LlamaTarget(SlotStates):
         n_ctx: KV cells in all (every slot's tokens, the trees of a pass, and garbage
             waiting to be compacted: llama_cells.py).
         threads: llama.cpp threads for a pass (default: every core, at most 8).
-        kv_type: "f16" (llama.cpp's default), "f32" or "q8_0".
+        kv_type: "q8_0" (the default: the only type whose attention kernel is the same for
+            any row count, so that passes may hold 512 rows and lone rows need no partner;
+            also half the memory of "f16"), "f16" (llama.cpp's default: passes of at most 63
+            rows, never one) or "f32".
+        lone_rows: whether a 1-row pass computes as a row among others for this file's
+            weight types (None: read from the file; False where it has F16, BF16 or IQ4_NL
+            matrices: see LONE_ROW_TYPES).
         sequences: sequence ids of the context (<= 256): each slot holds one, each tree
             leaf of a pass one. llama.cpp keeps a vocabulary-sized logits row per
             sequence, so the default keeps those rows within 64 MiB.
@@ -104,8 +120,8 @@ class LlamaTarget(SlotStates):
     SLOT_FIELDS = ("_seq", "cached")
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
-                 kv_type: str = "f16", sequences: int | None = None, n_gpu_layers: int = 0,
-                 streamer: PageCacheStreamer | None = None) -> None:
+                 kv_type: str = "q8_0", sequences: int | None = None, n_gpu_layers: int = 0,
+                 lone_rows: bool | None = None, streamer: PageCacheStreamer | None = None) -> None:
         self.path = Path(path).expanduser()
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
@@ -122,6 +138,8 @@ class LlamaTarget(SlotStates):
         self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
         self.device = torch.device("cpu")
         self.threads = threads or max(1, min(os.cpu_count() or 1, 8))
+        if lone_rows is None:
+            lone_rows = not _has_lone_row_types(self.path)
         if sequences is None:
             sequences = int(np.clip((64 << 20) // (4 * self.vocab_size), 16, 256))
         self.sequences = sequences
@@ -134,8 +152,16 @@ class LlamaTarget(SlotStates):
             self._on_node = lib.ggml_backend_sched_eval_callback(lambda t, ask, _: streamer.on_node(t, ask))
         self.buffers: dict[str, int] = {}
         """Bytes llama.cpp reported allocating for the context ("KV", "output", "compute")."""
-        with buffer_report() as self.buffers:
-            self.ctx = lib.llama_init_from_model(self.model, self._context_params(n_ctx, kv_type))
+        for kv in dict.fromkeys((kv_type, "f16")):  # q8_0 keys need a head size of 32s: else float16
+            self.kv_type = kv
+            self.max_rows = QUANTIZED_KV_ROWS if kv == "q8_0" else FLOAT_KV_ROWS
+            """Rows per llama_decode (see FLOAT_KV_ROWS, QUANTIZED_KV_ROWS)."""
+            self.lone_rows = lone_rows and kv == "q8_0"
+            """Whether a llama_decode may run one row (else a dummy row joins it)."""
+            with buffer_report() as self.buffers:
+                self.ctx = lib.llama_init_from_model(self.model, self._context_params(n_ctx, kv))
+            if self.ctx:
+                break
         if not self.ctx:
             self.close()
             raise ModelLoadError(f"llama.cpp could not make a context of {n_ctx} cells for {self.path}: too "
@@ -143,7 +169,7 @@ class LlamaTarget(SlotStates):
         if streamer is not None and not streamer.attach():
             self.close()
             raise ModelLoadError(f"llama.cpp did not map {self.path} into memory, so its layers cannot stream.")
-        self.batch = lib.llama_batch_init(EXACT_ROWS + 1, 0, sequences)
+        self.batch = lib.llama_batch_init(self.max_rows + 1, 0, sequences)
         self.DUMMY = sequences - 1
         self.cache = KVCache(lib, self.ctx, garbage_seq=sequences - 2)
         self._free_seqs = list(range(sequences - 3, -1, -1))  # pop() takes the lowest
@@ -158,9 +184,9 @@ class LlamaTarget(SlotStates):
         lib = self.lib
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = EXACT_ROWS
+        cparams.n_batch = cparams.n_ubatch = self.max_rows
         cparams.n_seq_max = self.sequences
-        cparams.n_outputs_max = max(EXACT_ROWS, self.sequences)
+        cparams.n_outputs_max = max(self.max_rows, self.sequences)
         cparams.kv_unified = True  # a tree's tokens belong to several sequences
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.n_threads = cparams.n_threads_batch = self.threads
@@ -176,7 +202,7 @@ class LlamaTarget(SlotStates):
     @property
     def context_length(self) -> int:
         """Tokens a conversation may hold: the model's trained window, within the cache."""
-        return min(int(self.lib.llama_model_n_ctx_train(self.model)), self.cache.ledger.capacity - 2 * EXACT_ROWS)
+        return min(int(self.lib.llama_model_n_ctx_train(self.model)), self.cache.ledger.capacity - 64)
 
     def special_ids(self) -> tuple[int | None, set[int]]:
         """(BOS, every end-of-generation id) from the file's vocabulary."""
@@ -247,7 +273,7 @@ class LlamaTarget(SlotStates):
 
     def verify_batch(self, trees: Sequence[SlotTree], chunks: Sequence[PromptChunk] = ()) -> list[torch.Tensor]:
         """Every request's tree and every prompt chunk in one pass (llama_decode calls of at
-        most EXACT_ROWS rows). Trees whose leaves together need more sequence ids than are
+        most `max_rows` rows). Trees whose leaves together need more sequence ids than are
         free verify after it, one pass each, keeping no cell: their accepted tokens are
         read again with the request's next tree. Leaves the last tree's slot in use."""
         self._settle()
@@ -422,21 +448,21 @@ class LlamaTarget(SlotStates):
             self.cache.compact()
 
     def _decode(self, rows: list[Row]) -> tuple[np.ndarray, list[int]]:
-        """Run the rows in llama_decode calls of at most EXACT_ROWS rows and never one (a
-        lone row takes a dummy beside it); each call reads at least 2 output rows when it
-        reads any. Returns the logits of the rows marked `output`, in order, and each
-        row's cell."""
+        """Run the rows in llama_decode calls of at most `max_rows` rows, and never one
+        unless `lone_rows` (else a lone row takes a dummy beside it); each call reads at
+        least 2 output rows when it reads any. Returns the logits of the rows marked
+        `output`, in order, and each row's cell."""
         lib, batch = self.lib, self.batch
         out = np.empty((sum(r.output for r in rows), self.vocab_size), dtype=np.float32)
         cells: list[int] = []
         got = 0
-        for part in _split(len(rows), EXACT_ROWS):
+        for part in _split(len(rows), self.max_rows):
             calls = rows[part.start:part.stop]
-            dummy = len(calls) == 1
+            dummy = len(calls) == 1 and not self.lone_rows
             if dummy:  # a pass of one row: another row, in a sequence of its own, keeps it on 2
                 calls = calls + [Row(calls[0].token, 0, (self.DUMMY,), True)]
             outputs = [r.output for r in calls]
-            if sum(outputs) == 1:  # the last layer and the head run on 2 rows, as in a tree
+            if sum(outputs) == 1 and len(calls) > 1:  # the last layer and the head run on 2 rows, as in a tree
                 outputs[next(i for i, o in enumerate(outputs) if not o)] = True
             batch.n_tokens = len(calls)
             for j, r in enumerate(calls):
@@ -483,6 +509,14 @@ class LlamaTarget(SlotStates):
             self.close()
         except Exception:  # interpreter shutdown: the library may be gone
             pass
+
+
+def _has_lone_row_types(path: Path) -> bool:
+    """Whether the model (every shard of it) has weight matrices of LONE_ROW_TYPES."""
+    from minions_local.models.gguf_file import read_model
+
+    model = read_model(path)
+    return any(t.type_name in LONE_ROW_TYPES and len(t.shape) >= 2 for f in model.files for t in f.tensors.values())
 
 
 def _split(n: int, size: int) -> list[range]:

@@ -221,7 +221,9 @@ def plan_memory(
     embeddings_tier = "device"
     if llama:  # llama.cpp reads the file's own tensors in place; its KV cache is float16
         kv_cells = llama_cache_cells(tgt.context_tokens)
-        device_fixed.append(Placement("KV cache target", "device", kv_cells * dims.kv_bytes_per_token("float16")))
+        # q8_0 keys and values: 34 bytes a 32 (backends/llama_target.py says why q8_0)
+        device_fixed.append(Placement("KV cache target", "device",
+                                      kv_cells * dims.kv_bytes_per_token("float16") * 17 // 32))
         device_fixed.append(Placement("llama.cpp buffers (logits, compute)", "device", llama_buffer_bytes(dims)))
         device_fixed.append(Placement("embeddings + head (as in the file)", "device",
                                       gguf_outside_layers_bytes(tgt.path, tgt.gguf_mix, dims)))

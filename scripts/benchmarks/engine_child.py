@@ -1,0 +1,110 @@
+"""Our engine as a benchmark peer in a child process of its own (bench_big_gguf.py), so
+that it can run inside a memory group as llama.cpp does, with its reads and its peak
+memory its own.
+
+    python -m benchmarks.engine_child --target T.gguf --minions D.gguf,ngram \\
+        --prompts prompts.json --max-new 64 [--tree-pass 40] --out result.json
+
+It loads the engine as a newcomer does (`Engine.from_profile("cpu-demo", target=...)`:
+the plan fitted to this machine's memory, the memory group's limit included), answers
+each chat from an empty cache, greedy, and writes what it measured as JSON. With
+`--tree-pass N` it then times a pass of an N-node tree over the last chat (the engine's
+own cost, whatever the minions' acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+
+def _io_bytes(field: str) -> int:
+    """This process's storage I/O so far (/proc/self/io: `read_bytes`, `write_bytes`)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _tree_pass_seconds(engine, context: list[int], nodes: int, repeats: int = 3) -> float:
+    """The median time of the target verifying a tree of `nodes` draft nodes below
+    `context` (a bushy tree of made-up tokens; its acceptance does not matter)."""
+    from minions_local.core.tree import TokenTree
+
+    target = engine.decoder.target
+    times = []
+    for r in range(repeats):
+        tree = TokenTree.from_root(context[-1])
+        for i in range(nodes):
+            tree.add(i // 3, (context[i % len(context)] + 7 * r + i) % target.vocab_size, score=1.0 / (i + 1))
+        start = time.perf_counter()
+        target.verify(context, tree)
+        times.append(time.perf_counter() - start)
+        target.commit(tree, [0])
+        context = context + [context[-1]]
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    from minions_local import Engine
+    from minions_local.core.events import DoneEvent, TokenEvent
+
+    minions = [m for m in args.minions.split(",") if m]
+    engine = Engine.from_profile("cpu-demo", target=args.target, minions=minions)
+    load = time.perf_counter() - start
+    chats = []
+    read_before = _io_bytes("read_bytes")
+    for messages in json.loads(Path(args.prompts).read_text()):
+        engine.reset()
+        begun, first, generation = time.perf_counter(), None, None
+        for event in engine.stream_chat(messages, max_new_tokens=args.max_new):
+            if isinstance(event, TokenEvent) and first is None:
+                first = time.perf_counter() - begun
+            elif isinstance(event, DoneEvent):
+                generation = event.generation
+        seconds = time.perf_counter() - begun
+        chats.append({
+            "tokens": list(generation.token_ids), "text": generation.text, "seconds": seconds,
+            "ttft": first or seconds, "passes": len(generation.steps),
+            "tree_sizes": [s.tree_size for s in generation.steps],
+            "accepted": [s.accepted for s in generation.steps],
+        })
+    target = engine.decoder.target
+    out = {
+        "load_seconds": load, "chats": chats, "minions": engine.minion_names,
+        "plan": engine.memory_plan_text(),
+        "bytes_streamed": target.bytes_streamed(),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "disk_read": _io_bytes("read_bytes") - read_before,
+        "disk_written": _io_bytes("write_bytes"),
+    }
+    if args.tree_pass:
+        context = engine.prepare_chat(json.loads(Path(args.prompts).read_text())[-1]).ids
+        engine.reset()
+        out["tree_pass_seconds"] = _tree_pass_seconds(engine, context, args.tree_pass)
+        out["one_row_seconds"] = _tree_pass_seconds(engine, context, 0)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--minions", default="")
+    parser.add_argument("--prompts", required=True, help="a JSON list of chats (lists of messages)")
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--tree-pass", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    Path(args.out).write_text(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A real K-quant GGUF target end to end on llama.cpp: SmolLM2 padded into a wider shape
+whose every layer matrix is Q4_K or Q6_K (benchmarks/padded_gguf.py 'small', 174 MB,
+built here in ~12 s), drafted by the shipped SmolLM2 Q4_1 file and n-gram, as a newcomer
+runs it (`Engine.from_profile("cpu-demo", target=..., minions=...)`). Greedy chat replies through
+trees equal the target's own, and sampled first tokens follow its law."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [pytest.mark.gguf, pytest.mark.realmodel]
+
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    from tests.models.conftest import require_wheel
+
+    require_wheel()
+    from benchmarks.padded_gguf import padded_gguf
+
+    return padded_gguf("small", "q4_k_m", folder=tmp_path_factory.mktemp("padded"))
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIONS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+QUESTIONS = ["What is the capital of France? Answer in one sentence.",
+             "Write a Python function that adds two numbers."]
+
+
+def test_greedy_chat_through_trees_is_the_targets_own(small_target):
+    from benchmarks.padded_gguf import source_gguf
+    from minions_local import Engine
+    from minions_local.backends.llama_target import LlamaTarget
+    from minions_local.models.gguf_file import read_model
+
+    types = {t.type_name for f in read_model(small_target).files for name, t in f.tensors.items()
+             if name.startswith("blk.") and len(t.shape) == 2}
+    assert types <= {"Q4_K", "Q6_K"}  # every layer matrix a K-quant: ggml's tiled kernel, forced
+    engine = Engine.from_profile("cpu-demo", target=str(small_target), minions=[str(source_gguf()), "ngram"])
+    alone = Engine.from_profile("cpu-demo", target=str(small_target), minions=[])
+    assert isinstance(engine.decoder.target, LlamaTarget)
+    tokens = passes = 0
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        engine.reset()
+        alone.reset()
+        got = engine.chat(messages, max_new_tokens=40)
+        assert got.token_ids == alone.chat(messages, max_new_tokens=40).token_ids
+        tokens, passes = tokens + len(got.token_ids), passes + len(got.steps)
+        if question == QUESTIONS[0]:
+            assert "Paris" in got.text
+    assert tokens / passes > 1.3  # the trees were accepted (the draft is SmolLM2 quantized otherwise)
+
+
+def test_sampled_first_tokens_follow_the_targets_law(small_target, monkeypatch):
+    import torch
+
+    import minions_local.engine.reply as reply_module
+    from benchmarks.padded_gguf import source_gguf
+    from minions_local import Engine
+    from minions_local.core.sampling import SamplingParams, processed_probs
+    from minions_local.core.tree import TokenTree
+    from tests.helpers.stats import chi2_pvalue, first_two_tokens
+
+    stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
+    monkeypatch.setattr(reply_module.random, "getrandbits", lambda bits: next(stream))
+    engine = Engine.from_profile("cpu-demo", target=str(small_target), minions=[str(source_gguf())])
+    prompt = engine.prepare_chat([{"role": "user", "content": "Name a colour."}]).ids
+    sp = SamplingParams(1.0, 1.0, 3)
+    target = engine.decoder.target
+
+    def law(context: list[int]) -> torch.Tensor:
+        target.reset()
+        return processed_probs(target.verify(context, TokenTree.from_root(context[-1]))[0], sp)
+
+    p1 = law(prompt)
+    expected = {(a, b): float(p1[a] * q[b]) for a in torch.nonzero(p1).flatten().tolist()
+                for q in [law(prompt + [a])] for b in torch.nonzero(q).flatten().tolist()}
+    engine.reset()
+    observed, drafted = first_two_tokens(engine, prompt, 300, temperature=1.0, top_k=3)
+    assert drafted > 30
+    assert chi2_pvalue(observed, expected, 300) > 1e-3

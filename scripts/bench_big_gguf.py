@@ -142,13 +142,13 @@ class Limit:
 
 
 def ours(target: Path, minions: list[str], conversations: list, max_new: int, limit: Limit,
-         tree_pass: int = 0) -> dict:
+         tree_pass: int = 0, kernel: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prompts, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         prompts.write_text(json.dumps(conversations))
         argv = [sys.executable, "-m", "benchmarks.engine_child", "--target", str(target), "--minions",
                 ",".join(minions), "--prompts", str(prompts), "--max-new", str(max_new), "--out", str(out),
-                "--tree-pass", str(tree_pass)]
+                "--tree-pass", str(tree_pass), "--kernel", kernel]
         env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
         with limit as group:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace",
@@ -182,17 +182,24 @@ def run_limit(gb: float, files: dict, args, tools: Path) -> dict:
     limit = lambda: Limit(gb, [files["target"], files["draft"]])  # noqa: E731
     limited = bool(gb)
     out = {}
-    lim = limit()
-    out["ours"] = ours(files["target"], [str(files["draft"]), "ngram"], convs, args.max_new, lim, tree_pass=40)
-    out["ours weak"] = ours(files["target"], [str(files["weak"]), "ngram"], convs[:1], args.max_new, limit())
-    out["ours alone"] = ours(files["target"], [], convs[:1], args.alone_tokens, limit(), tree_pass=0)
-    lim = limit()
-    with lim as group:  # as many tokens as ours without a limit, where it is quick
-        plain = completion(tools, files["target"], text[0], max_new=args.alone_tokens if limited else args.max_new,
-                           threads=args.threads, ctx=args.ctx, repack=not limited, group=group)
-    out["llama.cpp"] = tool(plain, lim)
+    want = set(args.methods.split(","))
+    if "ours" in want:
+        out["ours"] = ours(files["target"], [str(files["draft"]), "ngram"], convs, args.max_new, limit(), tree_pass=40)
+    if "ours weak" in want:
+        out["ours weak"] = ours(files["target"], [str(files["weak"]), "ngram"], convs[:1], args.max_new, limit())
+    if "ours alone" in want:
+        out["ours alone"] = ours(files["target"], [], convs[:1], args.alone_tokens, limit(), tree_pass=0)
+    if "ours torch" in want:  # the torch path (the file's weights dequantized into float32 as each layer runs)
+        out["ours torch"] = ours(files["target"], [str(files["draft"]), "ngram"], convs[:1], args.max_new, limit(),
+                                 kernel="dequant")
+    if "llama.cpp" in want:
+        lim = limit()
+        with lim as group:  # as many tokens as ours without a limit, where it is quick
+            plain = completion(tools, files["target"], text[0], max_new=args.alone_tokens if limited else args.max_new,
+                               threads=args.threads, ctx=args.ctx, repack=not limited, group=group)
+        out["llama.cpp"] = tool(plain, lim)
     best: dict = {}
-    for draft_max in args.draft_max:  # its default, and a longer draft for a pass that costs its reads
+    for draft_max in args.draft_max if "llama.cpp spec" in want else ():  # its default, and a longer draft
         lim = limit()
         with lim as group:
             spec = speculative(tools, files["target"], files["draft"], text[0], max_new=args.max_new,
@@ -201,7 +208,8 @@ def run_limit(gb: float, files: dict, args, tools: Path) -> dict:
         run = {**tool(spec, lim), "draft_max": draft_max or 3}
         if run.get("tok_s", 0) >= best.get("tok_s", 0):
             best = run
-    out["llama.cpp spec"] = best
+    if best:
+        out["llama.cpp spec"] = best
     return out
 
 
@@ -235,7 +243,7 @@ def report(results: dict, raw: float, args) -> dict:
             print(f"{name:<16}{r['tok_s']:>8.2f}{r['tokens_per_pass']:>10.2f}{r['ttft']:>8.1f}"
                   f"{r.get('load_seconds', 0):>8.1f}{r.get('peak_group', 0) / GB:>9.2f}  {note}")
     runs = results[main]
-    o, plain = runs["ours"], runs["llama.cpp"]
+    o, plain = runs.get("ours", {}), runs.get("llama.cpp", {})
     bound = None
     if o.get("tokens_per_pass") and ram.get("ours", {}).get("tree_pass_seconds"):
         read_s = o["disk_read"] / sum(c["passes"] for c in o["chats"]) / (raw * GB)
@@ -244,10 +252,10 @@ def report(results: dict, raw: float, args) -> dict:
         bound = o["tokens_per_pass"] / max(read_s, compute_s)
     summary.update({
         "main_limit_gb": main, "raw_read_gbps": round(raw, 2),
-        "vs_llama_cpp": ratio(o, plain), "vs_ours_alone": ratio(o, runs["ours alone"]),
-        "vs_llama_cpp_spec": ratio(o, runs["llama.cpp spec"]),
-        "weak_vs_llama_cpp": ratio(runs["ours weak"], plain),
-        "weak_tokens_per_pass": runs["ours weak"].get("tokens_per_pass"),
+        "vs_llama_cpp": ratio(o, plain), "vs_ours_alone": ratio(o, runs.get("ours alone", {})),
+        "vs_llama_cpp_spec": ratio(o, runs.get("llama.cpp spec", {})),
+        "weak_vs_llama_cpp": ratio(runs.get("ours weak", {}), plain),
+        "weak_tokens_per_pass": runs.get("ours weak", {}).get("tokens_per_pass"),
         "tree_pass_vs_llama_token": (o["tree_pass_seconds"] * plain["tok_s"]
                                      if o.get("tree_pass_seconds") and plain.get("tok_s") else None),
         "of_physical_bound": o["tok_s"] / bound if bound else None,
@@ -257,8 +265,9 @@ def report(results: dict, raw: float, args) -> dict:
         "load_vs_llama_cpp": (o["load_seconds"] / plain["load_seconds"]
                               if o.get("load_seconds") and plain.get("load_seconds") else None),
         "disk_written_mb": o.get("disk_written", 0) / 1e6,
-        "greedy_identical": all(identical(r["ours"], r["ours alone"]) is not False
-                                and identical(r["ours weak"], r["ours alone"]) is not False for r in results.values()),
+        "greedy_identical": all(identical(r.get("ours", {}), r.get("ours alone", {})) is not False
+                                and identical(r.get("ours weak", {}), r.get("ours alone", {})) is not False
+                                for r in results.values()),
     })
     print("\n" + "\n".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     return summary
@@ -273,7 +282,9 @@ def plot(results: dict, path: Path) -> None:
     limits = sorted(results, key=lambda g: g or 1e9)
     labels = [f"{g:.1f} GB" if g else "no limit" for g in limits]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ("ours", "ours weak", "ours alone", "llama.cpp", "llama.cpp spec"):
+    for name in ("ours", "ours weak", "ours alone", "ours torch", "llama.cpp", "llama.cpp spec"):
+        if not any(name in results[g] for g in limits):
+            continue
         ax.plot(labels, [results[g].get(name, {}).get("tok_s", float("nan")) for g in limits], marker="o", label=name)
     ax.set_ylabel("tokens / s (decode)")
     ax.set_xlabel("memory limit (8B-shaped Q4_K_M, 4.35 GB file)")
@@ -294,6 +305,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--methods", default="ours,ours weak,ours alone,llama.cpp,llama.cpp spec",
+                        help="comma-separated; 'ours torch' adds our torch GGUF path (gguf_kernel = 'dequant')")
     args = parser.parse_args()
     args.draft_max = [None, 16]
     if args.quick:

@@ -52,13 +52,27 @@ def _tree_pass_seconds(engine, context: list[int], nodes: int, repeats: int = 3)
     return statistics.median(times)
 
 
+def _profile(kernel: str) -> str:
+    """cpu-demo, or a copy of it whose GGUF target computes with `kernel` (gguf_kernel)."""
+    if kernel == "auto":
+        return "cpu-demo"
+    import tempfile
+
+    from minions_local.profile.loader import find_profile_file
+
+    text = find_profile_file("cpu-demo").read_text().replace("[target]\n", f'[target]\ngguf_kernel = "{kernel}"\n', 1)
+    path = Path(tempfile.mkdtemp()) / f"cpu-demo-{kernel}.toml"
+    path.write_text(text)
+    return str(path)
+
+
 def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from minions_local import Engine
     from minions_local.core.events import DoneEvent, TokenEvent
 
     minions = [m for m in args.minions.split(",") if m]
-    engine = Engine.from_profile("cpu-demo", target=args.target, minions=minions)
+    engine = Engine.from_profile(_profile(args.kernel), target=args.target, minions=minions)
     load = time.perf_counter() - start
     chats = []
     read_before = _io_bytes("read_bytes")
@@ -101,6 +115,7 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="a JSON list of chats (lists of messages)")
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--tree-pass", type=int, default=0)
+    parser.add_argument("--kernel", default="auto", help="the GGUF target's gguf_kernel (auto: llama.cpp)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     Path(args.out).write_text(json.dumps(run(args)))

@@ -9,6 +9,7 @@ file (already in the model's chat format), no conversation mode.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -61,8 +62,11 @@ def tools_dir() -> Path:
 def run_tool(argv: list[str], group: MemoryGroup | None, timeout: float) -> tuple[str, float, str]:
     """Run a program (in `group` when given); its output, wall time and an error ('' if none)."""
     start = time.perf_counter()
+    # llama.cpp's own settings: not the kernel switches our target sets in this process
+    # (llama_context.import_llama_cpp), which its children would inherit.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED_MM")}
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout,
+        proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout, env=env,
                               preexec_fn=(lambda: group.add(0)) if group is not None else None)
     except subprocess.TimeoutExpired:
         return "", time.perf_counter() - start, f"no result in {timeout:.0f} s"

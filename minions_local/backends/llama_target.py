@@ -41,59 +41,21 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from minions_local.backends.llama_cells import KVCache
 from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp
+from minions_local.backends.llama_rows import (FLOAT_KV_ROWS, KV_TYPES, QUANTIZED_KV_ROWS, Row, RowCalls, TreeLayout,
+                                               has_lone_row_types, lay_out)
 from minions_local.backends.llama_stream import PageCacheStreamer
 from minions_local.core.errors import ContextOverflowError, ModelLoadError
 from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
 from minions_local.core.slots import SlotStates
 from minions_local.core.tree import TokenTree
-
-FLOAT_KV_ROWS = 63
-"""Rows per llama_decode with a float16/float32 KV cache: below 64, where ggml's flash
-attention switches to its tiled kernel (GGML_FA_TILE_Q)."""
-QUANTIZED_KV_ROWS = 512
-"""Rows per llama_decode with a q8_0 KV cache: ggml's flash attention has only its per-row
-kernel for quantized keys (neither the tiled one nor the one splitting a lone row's keys
-over threads), so a pass of hundreds of rows is one call, its weights read once."""
-LONE_ROW_TYPES = {"F16", "BF16", "F32", "IQ4_NL"}
-"""Weight types that llamafile's sgemm multiplies from 2 rows up, rounding otherwise than
-the 1-row kernel: a file with such matrices never runs a lone row."""
-
-KV_TYPES = {"f16": 1, "f32": 0, "q8_0": 8}  # GGML_TYPE_*
-
-
-class Row(NamedTuple):
-    """One token of a pass: at `pos` in every sequence of `seqs`; `output`: its logits are read."""
-
-    token: int
-    pos: int
-    seqs: tuple[int, ...]
-    output: bool
-
-
-@dataclass
-class TreeLayout:
-    """Where one request's tree went in the pass, for its commit."""
-
-    base: int
-    """The root's position (the request's context length - 1)."""
-    cells: list[int]
-    """Per node: its cell."""
-    leaf_seq: list[int]
-    """Per node: the sequence of a leaf below it (whose cells include the node's path)."""
-    seqs: list[int] = field(default_factory=list)
-    """The tree's leaf sequences."""
-    kept: bool = True
-    """False: its cells were dropped after the pass (LlamaTarget.verify_batch)."""
-
 
 class LlamaTarget(SlotStates):
     """The Target protocol on llama.cpp (core/protocols.py): several requests' trees in
@@ -109,7 +71,7 @@ class LlamaTarget(SlotStates):
             rows, never one) or "f32".
         lone_rows: whether a 1-row pass computes as a row among others for this file's
             weight types (None: read from the file; False where it has F16, BF16 or IQ4_NL
-            matrices: see LONE_ROW_TYPES).
+            matrices: see llama_rows.LONE_ROW_TYPES).
         sequences: sequence ids of the context (<= 256): each slot holds one, each tree
             leaf of a pass one. llama.cpp keeps a vocabulary-sized logits row per
             sequence, so the default keeps those rows within 64 MiB.
@@ -139,7 +101,7 @@ class LlamaTarget(SlotStates):
         self.device = torch.device("cpu")
         self.threads = threads or max(1, min(os.cpu_count() or 1, 8))
         if lone_rows is None:
-            lone_rows = not _has_lone_row_types(self.path)
+            lone_rows = not has_lone_row_types(self.path)
         if sequences is None:
             sequences = int(np.clip((64 << 20) // (4 * self.vocab_size), 16, 256))
         self.sequences = sequences
@@ -172,6 +134,8 @@ class LlamaTarget(SlotStates):
         self.batch = lib.llama_batch_init(self.max_rows + 1, 0, sequences)
         self.DUMMY = sequences - 1
         self.cache = KVCache(lib, self.ctx, garbage_seq=sequences - 2)
+        self.calls = RowCalls(lib, self.ctx, self.batch, self.cache, self.vocab_size, self.max_rows, self.lone_rows,
+                              dummy_seq=self.DUMMY, after_call=streamer.decode_done if streamer is not None else None)
         self._free_seqs = list(range(sequences - 3, -1, -1))  # pop() takes the lowest
         self._pending: dict[int, TreeLayout] = {}
         """Per slot: its tree in the last pass, until its commit."""
@@ -325,7 +289,7 @@ class LlamaTarget(SlotStates):
             start = common_prefix_len(self.cached, item.context[:-1])
             self._truncate(start)
             catch = list(item.context[start:-1])
-            layout, order, node_seqs = self._lay_out(item.tree, len(item.context) - 1)
+            layout, order, node_seqs = lay_out(item.tree, len(item.context) - 1, self._free_seqs)
             layout.kept = keep
             seq = self.seq
             for leaf in layout.seqs:
@@ -342,7 +306,7 @@ class LlamaTarget(SlotStates):
                 raise ContextOverflowError(
                     f"The target's cache ({self.cache.ledger.capacity} tokens) cannot hold this pass's {len(rows)} rows "
                     f"beside what its requests hold: fewer requests at once, or a larger context (n_ctx).")
-        logits, cells = self._decode(rows)
+        logits, cells = self.calls.run(rows)
         self.passes += 1
         for slot, tokens in kept_chunks:
             self.use_slot(slot)
@@ -376,31 +340,6 @@ class LlamaTarget(SlotStates):
         self._drop_tree(layout, keep={layout.cells[n] for n in path})
 
     # --- inside ----------------------------------------------------------------------
-
-    def _lay_out(self, tree: TokenTree, base: int) -> tuple[TreeLayout, list[int], list[tuple[int, ...]]]:
-        """A tree's rows: its nodes depth first, each node's children best (highest
-        score) first; a sequence per leaf; per node the sequences of the leaves below it."""
-        children: list[list[int]] = [[] for _ in range(len(tree))]
-        for n in range(1, len(tree)):
-            children[tree.parents[n]].append(n)
-        order, stack = [], [0]
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            stack += sorted(children[n], key=lambda c: (tree.scores[c], -c))  # best popped first
-        leaves = [n for n in order if not children[n]]
-        if len(leaves) > len(self._free_seqs):
-            raise RuntimeError(f"a tree of {len(leaves)} leaves needs more sequence ids than the target's "
-                               f"context has free ({len(self._free_seqs)})")
-        leaf_seq = {n: self._free_seqs.pop() for n in leaves}
-        below: list[list[int]] = [[] for _ in range(len(tree))]
-        for leaf, seq in leaf_seq.items():
-            n = leaf
-            while n >= 0:
-                below[n].append(seq)
-                n = tree.parents[n]
-        layout = TreeLayout(base, [], [b[0] for b in below], list(leaf_seq.values()))
-        return layout, order, [tuple(b) for b in below]
 
     def _drop_tree(self, layout: TreeLayout, keep: set[int]) -> None:
         """Drop a tree's leaf sequences; its cells outside `keep` become free or garbage."""
@@ -447,46 +386,6 @@ class LlamaTarget(SlotStates):
         if self.cache.garbage() > max(256, self.cache.ledger.capacity // 4):
             self.cache.compact()
 
-    def _decode(self, rows: list[Row]) -> tuple[np.ndarray, list[int]]:
-        """Run the rows in llama_decode calls of at most `max_rows` rows, and never one
-        unless `lone_rows` (else a lone row takes a dummy beside it); each call reads at
-        least 2 output rows when it reads any. Returns the logits of the rows marked
-        `output`, in order, and each row's cell."""
-        lib, batch = self.lib, self.batch
-        out = np.empty((sum(r.output for r in rows), self.vocab_size), dtype=np.float32)
-        cells: list[int] = []
-        got = 0
-        for part in _split(len(rows), self.max_rows):
-            calls = rows[part.start:part.stop]
-            dummy = len(calls) == 1 and not self.lone_rows
-            if dummy:  # a pass of one row: another row, in a sequence of its own, keeps it on 2
-                calls = calls + [Row(calls[0].token, 0, (self.DUMMY,), True)]
-            outputs = [r.output for r in calls]
-            if sum(outputs) == 1 and len(calls) > 1:  # the last layer and the head run on 2 rows, as in a tree
-                outputs[next(i for i, o in enumerate(outputs) if not o)] = True
-            batch.n_tokens = len(calls)
-            for j, r in enumerate(calls):
-                batch.token[j] = r.token
-                batch.pos[j] = r.pos
-                batch.n_seq_id[j] = len(r.seqs)
-                for k, s in enumerate(r.seqs):
-                    batch.seq_id[j][k] = s
-                batch.logits[j] = outputs[j]
-            status = lib.llama_decode(self.ctx, batch)
-            if self.streamer is not None:
-                self.streamer.decode_done()
-            if status != 0:
-                raise RuntimeError(f"llama_decode failed with status {status} ({len(calls)} rows)")
-            placed = self.cache.ledger.append([r.pos for r in calls], [r.seqs for r in calls])
-            for j, r in enumerate(calls[:len(calls) - dummy]):
-                cells.append(placed[j])
-                if r.output:
-                    out[got] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, j), shape=(self.vocab_size,))
-                    got += 1
-            if dummy:
-                self.cache.rm(self.DUMMY)  # the top cell: freed in place
-        return out, cells
-
     def close(self) -> None:
         lib = getattr(self, "lib", None)
         if lib is None:
@@ -509,20 +408,3 @@ class LlamaTarget(SlotStates):
             self.close()
         except Exception:  # interpreter shutdown: the library may be gone
             pass
-
-
-def _has_lone_row_types(path: Path) -> bool:
-    """Whether the model (every shard of it) has weight matrices of LONE_ROW_TYPES."""
-    from minions_local.models.gguf_file import read_model
-
-    model = read_model(path)
-    return any(t.type_name in LONE_ROW_TYPES and len(t.shape) >= 2 for f in model.files for t in f.tensors.values())
-
-
-def _split(n: int, size: int) -> list[range]:
-    """0..n in consecutive ranges of at most `size`, none of exactly one unless n == 1."""
-    parts = [range(i, min(i + size, n)) for i in range(0, n, size)]
-    if len(parts) > 1 and len(parts[-1]) == 1:
-        a, b = parts[-2], parts[-1]
-        parts[-2:] = [range(a.start, a.stop - 1), range(a.stop - 1, b.stop)]
-    return parts

@@ -226,10 +226,10 @@ def test_rows_differ_passes_on_these_files(files):
 
 
 def test_split_never_leaves_a_lone_row():
-    from minions_local.backends.llama_target import _split
+    from minions_local.backends.llama_rows import split_calls
 
     for n in range(1, 300):
-        parts = _split(n, 63)
+        parts = split_calls(n, 63)
         assert [i for p in parts for i in p] == list(range(n))
         assert all(len(p) <= 63 for p in parts)
         assert n == 1 or all(len(p) >= 2 for p in parts)

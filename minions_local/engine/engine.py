@@ -21,6 +21,7 @@ import torch
 
 from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
+from minions_local.backends.llama_target import LlamaTarget
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
@@ -116,7 +117,8 @@ class Engine:
         unique_names(loaded)
         policy = make_policy(budget, max_depth)
         # The minions' and the target's real price per pass.
-        calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model)
+        calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
+                         target_warm_up=not isinstance(target_model, LlamaTarget))
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 

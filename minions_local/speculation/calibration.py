@@ -62,17 +62,24 @@ are added (2-core AVX2, float32: 1 row 0.12 ms, 2 rows 0.22, 8 rows 0.27), so a 
 through the 1-token pass alone would price small trees low (by 13% in a run)."""
 
 
-def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES) -> list[tuple[int, float]]:
+def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES, *,
+                       warm_up: bool = True) -> list[tuple[int, float]]:
     """(draft nodes, seconds) of the target verifying a chain of each size below a
-    made-up 16-token context, after one untimed pass (a streamed target's first read of
-    each layer checks its CRC). Leaves the target reset. The context is short because
-    reading it is a pass of its own (an 8B-shaped GGUF on 2 cores: 16 rows 1.0 s, 64
-    rows 2.6 s) and the cost of a pass barely depends on it."""
-    context = [(11 * i + 5) % max(vocab, 2) for i in range(1, 17)]
+    made-up context. Leaves the target reset.
+
+    warm_up: whether the target's first passes cost more than later ones (a torch
+    target's streamed layers check their CRC on their first read): a 16-token context is
+    read and one pass runs untimed before the timed ones. The context is short because
+    reading it is a pass of its own (an 8B-shaped GGUF on 2 cores: 16 rows 1.0 s, 64 rows
+    2.6 s) and the cost of a pass barely depends on it. Without (a llama.cpp target,
+    whose every pass takes its layers through the page cache as the first does), the
+    passes are timed from the first, on a 1-token context: at 8B under a memory limit
+    each pass is seconds of loading (the two untimed ones were 4 of a first chat's 20)."""
+    context = [(11 * i + 5) % max(vocab, 2) for i in range(1, 17 if warm_up else 2)]
     target.prefill(context)
     samples = []
     with _no_gc_pause():
-        for nodes in (sizes[0], *sizes):
+        for nodes in ((sizes[0], *sizes) if warm_up else sizes):
             tree = TokenTree.from_root(context[-1])
             parent = 0
             for i in range(nodes):
@@ -81,7 +88,7 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
             target.verify(context, tree)
             samples.append((nodes, time.perf_counter() - start))
     target.reset()  # the made-up context is nobody's conversation
-    return samples[1:]
+    return samples[1:] if warm_up else samples
 
 
 @contextmanager
@@ -100,16 +107,16 @@ def _no_gc_pause() -> Iterator[None]:
 
 def calibrate_policy(policy: BudgetPolicy, minions: Sequence[BaseMinion], vocab: int,
                      progress: Callable[[LoadProgress], None] | None = None,
-                     target: Target | None = None) -> dict[str, list[tuple[int, float]]]:
+                     target: Target | None = None, target_warm_up: bool = True) -> dict[str, list[tuple[int, float]]]:
     """Time the minions whose passes cost something, and the target's pass when given
-    (under the key "target"), and fold the samples into the prior of a policy that
+    (under the key "target"; `target_warm_up`: see time_verify_passes), and fold the samples into the prior of a policy that
     `uses_timed_passes` (any other policy, or no minions, is left alone). Returns the
     samples."""
     if not policy.uses_timed_passes or not minions:
         return {}
     samples = {m.name: _reported(progress, m.name, lambda m=m: time_grow_passes(m, vocab))
                for m in minions if not m.depth_is_free}
-    verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab)) if target is not None else []
+    verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab, warm_up=target_warm_up)) if target is not None else []
     if samples or verify:
         policy.calibrate(samples, verify)
     return samples | ({"target": verify} if verify else {})

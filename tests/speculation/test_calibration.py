@@ -137,6 +137,11 @@ def test_the_targets_pass_is_timed_at_several_tree_sizes_and_slopes_the_prior():
     assert target.resets == 1
     for nodes, seconds in samples:
         assert seconds == pytest.approx(FLAT + PER_NODE * nodes)
+    # A target whose first pass costs what any does is timed from its first pass, below a
+    # 1-token context that needs no read (at 8B under a memory limit, each pass is seconds).
+    cold = PricedTarget()
+    assert [n for n, _ in time_verify_passes(cold, vocab=100, warm_up=False)] == list(VERIFY_SIZES)
+    assert cold.trees == list(VERIFY_SIZES) and len(cold.context) == 1
     # A prior that thinks trees are free (a read-bound pass that is not) picks a big tree;
     # timed, the same policy sees each node's price and picks a smaller one.
     free_trees = CostModel(VerifyTime(flat=0.005, base=0.001, slope=0.000001), (GrowTime("ngram", 0.0002, 0.0),))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,9 @@ class LlamaTarget(SlotStates):
         self._pending: dict[int, TreeLayout] = {}
         """Per slot: its tree in the last pass, until its commit."""
         self.passes = 0
+        self.first_passes: list[tuple[int, float]] = []
+        """(rows - 1, seconds) of its first passes (those of the exactness check at load,
+        llama_load.rows_differ): the cost model's timed samples, at no further pass."""
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())
@@ -306,7 +310,10 @@ class LlamaTarget(SlotStates):
                 raise ContextOverflowError(
                     f"The target's cache ({self.cache.ledger.capacity} tokens) cannot hold this pass's {len(rows)} rows "
                     f"beside what its requests hold: fewer requests at once, or a larger context (n_ctx).")
+        start = time.perf_counter()
         logits, cells = self.calls.run(rows)
+        if len(self.first_passes) < 16:
+            self.first_passes.append((len(rows) - 1, time.perf_counter() - start))
         self.passes += 1
         for slot, tokens in kept_chunks:
             self.use_slot(slot)

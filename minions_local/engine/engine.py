@@ -117,8 +117,11 @@ class Engine:
         unique_names(loaded)
         policy = make_policy(budget, max_depth)
         # The minions' and the target's real price per pass.
+        # A llama.cpp target that checked its rows at load timed passes of several sizes
+        # doing so: at 8B under a memory limit each pass is seconds, none is run again.
+        on_llama = isinstance(target_model, LlamaTarget)
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
-                         target_warm_up=not isinstance(target_model, LlamaTarget))
+                         target_warm_up=not on_llama, target_timed=target_model.first_passes if on_llama else ())
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 

@@ -107,16 +107,23 @@ def _no_gc_pause() -> Iterator[None]:
 
 def calibrate_policy(policy: BudgetPolicy, minions: Sequence[BaseMinion], vocab: int,
                      progress: Callable[[LoadProgress], None] | None = None,
-                     target: Target | None = None, target_warm_up: bool = True) -> dict[str, list[tuple[int, float]]]:
+                     target: Target | None = None, target_warm_up: bool = True,
+                     target_timed: Sequence[tuple[int, float]] = ()) -> dict[str, list[tuple[int, float]]]:
     """Time the minions whose passes cost something, and the target's pass when given
-    (under the key "target"; `target_warm_up`: see time_verify_passes), and fold the samples into the prior of a policy that
+    (under the key "target"; `target_warm_up`: see time_verify_passes; `target_timed`:
+    (draft nodes, seconds) of passes it already ran at load, taken instead when they span
+    several sizes), and fold the samples into the prior of a policy that
     `uses_timed_passes` (any other policy, or no minions, is left alone). Returns the
     samples."""
     if not policy.uses_timed_passes or not minions:
         return {}
     samples = {m.name: _reported(progress, m.name, lambda m=m: time_grow_passes(m, vocab))
                for m in minions if not m.depth_is_free}
-    verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab, warm_up=target_warm_up)) if target is not None else []
+    verify: list[tuple[int, float]] = []
+    if len({nodes for nodes, _ in target_timed}) >= 3:
+        verify = list(target_timed)
+    elif target is not None:
+        verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab, warm_up=target_warm_up))
     if samples or verify:
         policy.calibrate(samples, verify)
     return samples | ({"target": verify} if verify else {})

@@ -142,6 +142,13 @@ def test_the_targets_pass_is_timed_at_several_tree_sizes_and_slopes_the_prior():
     cold = PricedTarget()
     assert [n for n, _ in time_verify_passes(cold, vocab=100, warm_up=False)] == list(VERIFY_SIZES)
     assert cold.trees == list(VERIFY_SIZES) and len(cold.context) == 1
+    # Passes the target already ran at load, of several sizes, are taken as they are.
+    ran = [(0, 0.005), (11, 0.009), (78, 0.035)]
+    untimed = PricedTarget()
+    got = calibrate_policy(CostModelBudget(CostModel(VerifyTime(flat=0.005, base=0.001, slope=0.000001),
+                                                     (GrowTime("ngram", 0.0002, 0.0),))),
+                           [PricedMinion("ngram", free=True)], vocab=100, target=untimed, target_timed=ran)
+    assert got == {"target": ran} and untimed.trees == []
     # A prior that thinks trees are free (a read-bound pass that is not) picks a big tree;
     # timed, the same policy sees each node's price and picks a smaller one.
     free_trees = CostModel(VerifyTime(flat=0.005, base=0.001, slope=0.000001), (GrowTime("ngram", 0.0002, 0.0),))

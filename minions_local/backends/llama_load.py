@@ -33,7 +33,7 @@ from minions_local.models.llama_probe import unknown_architecture, unknown_archi
 from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
-CHECK_VERSION = 2
+CHECK_VERSION = 3
 
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
@@ -97,28 +97,27 @@ def _open(model: Any, **options: Any) -> LlamaTarget:
 
 def rows_differ(target: LlamaTarget) -> str:
     """'' when the target's rows are exact on this machine, else what differed. Leaves the
-    target reset."""
+    target reset. Six passes (each one is seconds at 8B under a memory limit, and they are
+    the cost model's timing too: LlamaTarget.first_passes): the prompt and a tree below it
+    in one; then the prompt again as 1 row and the rest with the tree's root, and the
+    tree's path to a node 3 deep as 1-token passes."""
     vocab = target.vocab_size
     g = np.random.default_rng(0)
-    prompt = [int(t) for t in g.integers(0, vocab, 80)]  # read whole: one call of 64+ rows
+    prompt = [int(t) for t in g.integers(0, vocab, 80)]  # with the tree: one call of 64+ rows
     tree = TokenTree.from_root(prompt[-1])
     for _ in range(20):
         tree.add(int(g.integers(0, len(tree))), int(g.integers(0, vocab)), score=float(g.random()))
     target.use_slot(0)
     target.reset()
-    target.prefill(prompt)
-    whole = target.verify(prompt, tree).numpy().copy()
-    # A path 3 deep checks the tree's mask with ancestors as well as a deeper one does,
-    # and each node below the root is a 1-token pass (seconds at 8B under a memory limit).
+    whole = target.verify(prompt, tree).numpy().copy()  # the prompt rides the tree's pass
+    # A path 3 deep checks the tree's mask with ancestors as well as a deeper one does.
     deepest = max(range(len(tree)), key=lambda n: min(tree.depths[n], 3))
     path = [deepest]
     while path[-1]:
         path.append(tree.parents[path[-1]])
     path.reverse()
     target.reset()
-    # The prompt again, in other pieces: its last row's logits after 1 + 12 + the rest.
-    target.prefill(prompt[:2])
-    target.prefill(prompt[:14])
+    target.prefill(prompt[:2])  # a lone row; the rest of the prompt rides the root's pass
     context = list(prompt)
     problem = ""
     for node in path:

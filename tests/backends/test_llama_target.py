@@ -249,3 +249,21 @@ def test_ledger_mirrors_frees_and_compaction():
     assert ledger.seq_rm(1) == [5]
     ledger.trim()
     assert ledger.top == 5 and ledger.in_position_order(0)
+
+
+def test_rows_differ_catches_a_kernel_chosen_by_row_count(files):
+    # ggml's default takes vec_dot below 8 rows and its tiled kernel above for K-quants:
+    # rounding that differs by row count, which the check must see (in a process of its
+    # own: ggml reads the switch once).
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom minions_local.backends.llama_load import rows_differ\n"
+            "from minions_local.backends.llama_target import LlamaTarget\n"
+            "print(repr(rows_differ(LlamaTarget(sys.argv[1], n_ctx=2048, threads=2))))")
+    env = {**os.environ, "GGML_CPU_TILED_MM_FORCE": "0"}
+    out = subprocess.run([sys.executable, "-c", code, str(files["Q4_K"])], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tree node" in out.stdout.strip().splitlines()[-1]

@@ -56,6 +56,7 @@ from minions_local.backends.llama_stream import PageCacheStreamer
 from minions_local.core.errors import ContextOverflowError, ModelLoadError
 from minions_local.core.protocols import PromptChunk, SlotTree, common_prefix_len
 from minions_local.core.slots import SlotStates
+from minions_local.profile.gguf_sizes import llama_sequences
 from minions_local.core.tree import TokenTree
 
 class LlamaTarget(SlotStates):
@@ -104,7 +105,7 @@ class LlamaTarget(SlotStates):
         if lone_rows is None:
             lone_rows = not has_lone_row_types(self.path)
         if sequences is None:
-            sequences = int(np.clip((64 << 20) // (4 * self.vocab_size), 16, 256))
+            sequences = llama_sequences(self.vocab_size)
         self.sequences = sequences
         self.streamer = streamer
         """Steers the page cache under the file when some layers stream (llama_stream.py)."""

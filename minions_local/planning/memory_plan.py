@@ -224,7 +224,7 @@ def plan_memory(
         # q8_0 keys and values: 34 bytes a 32 (backends/llama_target.py says why q8_0)
         device_fixed.append(Placement("KV cache target", "device",
                                       kv_cells * dims.kv_bytes_per_token("float16") * 17 // 32))
-        device_fixed.append(Placement("llama.cpp buffers (logits, compute)", "device", llama_buffer_bytes(dims)))
+        device_fixed.append(Placement("llama.cpp buffers (logits, compute)", "device", llama_buffer_bytes(dims, kv_cells)))
         device_fixed.append(Placement("embeddings + head (as in the file)", "device",
                                       gguf_outside_layers_bytes(tgt.path, tgt.gguf_mix, dims)))
     else:

@@ -122,12 +122,25 @@ def llama_cache_cells(context_tokens: int) -> int:
     return context_tokens + max(256, context_tokens // 4)
 
 
-def llama_buffer_bytes(dims: ModelDims, rows: int = 63) -> int:
-    """An estimate of what llama.cpp allocates beside the KV cache for a target context:
-    the logits rows it keeps per sequence (within 64 MiB: backends/llama_target.py) and a
-    compute buffer for `rows` rows (the loaded target reports its own; this sizes --plan)."""
-    activations = rows * (4 * dims.hidden + 3 * dims.intermediate + dims.vocab) * 4
-    return (64 << 20) + activations
+def llama_sequences(vocab: int) -> int:
+    """Sequence ids of a llama.cpp target's context (backends/llama_target.py: a slot's
+    each, a tree leaf's each): llama.cpp keeps a vocabulary-wide logits row per sequence,
+    so there are as many as keep those rows within 64 MiB, 16 to 256."""
+    return int(min(256, max(16, (64 << 20) // (4 * vocab))))
+
+
+def llama_buffer_bytes(dims: ModelDims, cells: int, rows: int = 512) -> int:
+    """What llama.cpp allocates beside the KV cache for a target context of `cells` KV
+    cells and passes of `rows` rows (backends/llama_rows.py: 512 over a q8_0 cache): the
+    logits rows it keeps per sequence, and the compute buffer its graph planner sizes.
+    llama.cpp's own report (tests/backends/test_llama_target.py holds the two together)
+    fits that as `rows` activations as wide as the widest point of the graph (the head's
+    logits beside two hidden states, or the FFN's two intermediate states beside five)
+    and a float16 attention mask of `rows` x `cells`: 8B-shaped with a 49152 vocabulary,
+    117.3 MiB reported and 117.4 by this; 768 wide 101.8 and 103.8."""
+    output = llama_sequences(dims.vocab) * dims.vocab * 4
+    widest = max(dims.vocab + 2 * dims.hidden, 2 * dims.intermediate + 5 * dims.hidden)
+    return output + rows * 4 * widest + rows * cells * 2
 
 
 QUANTIZE_TYPES = (("Q8_0", 8.5), ("Q6_K", 6.6), ("Q5_K_M", 5.7), ("Q4_K_M", 4.8), ("Q3_K_M", 3.9), ("Q2_K", 3.0),

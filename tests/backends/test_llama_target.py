@@ -267,3 +267,20 @@ def test_rows_differ_catches_a_kernel_chosen_by_row_count(files):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tree node" in out.stdout.strip().splitlines()[-1]
+
+
+def test_the_plan_counts_what_llama_cpp_reports_allocating(files):
+    # --plan sizes llama.cpp's buffers before it loads anything; the loaded target's own
+    # report (its log) is the truth the estimate must stay near.
+    from pathlib import Path
+
+    from minions_local.profile.dims import dims_from_gguf
+    from minions_local.profile.gguf_sizes import llama_buffer_bytes, llama_cache_cells
+
+    path = files["Q4_K"]
+    for context in (1024, 4096):
+        cells = llama_cache_cells(context)
+        target = new_target(path, n_ctx=cells)
+        reported = target.buffers["output"] + target.buffers["compute"]
+        assert llama_buffer_bytes(dims_from_gguf(Path(path)), cells) == pytest.approx(reported, rel=0.1)
+        target.close()

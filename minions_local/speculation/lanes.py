@@ -58,18 +58,3 @@ class Lane:
     def unread(self, context: list[int]) -> int:
         """Tokens of `context` the minions' caches do not hold yet."""
         return len(context) - common_prefix_len(self.minions_saw, context)
-
-
-@dataclass(frozen=True)
-class PassTotals:
-    """A step's pass-wide measures, the same for every request that rode its pass (one
-    or several): the target's pass, the policy's and the reads' time."""
-
-    t_verify: float
-    streamed: int
-    rows: int
-    requests: int
-    t_policy: float
-    t_read: float
-    t_step: float | None
-    """The whole step's wall time, when requests or prompt chunks shared it."""

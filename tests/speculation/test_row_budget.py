@@ -4,7 +4,9 @@ CostModelBudget.plan)."""
 from __future__ import annotations
 
 import itertools
+import random
 
+from minions_local.speculation.budget import TreeAsk
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
 from minions_local.speculation.cost_policy import CostModelBudget
 from minions_local.speculation.row_budget import BatchGrowCost, TreeCurve, split_rows
@@ -59,6 +61,22 @@ def test_the_policy_splits_between_regimes_and_never_beyond_a_lone_tree():
     total = sum(b.nodes for b in budgets) + len(budgets) - 1
     assert all(b.predicted_t_verify == model.t_verify(total) for b in budgets)
     assert policy.plan([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")]) == budgets
+
+
+def test_a_lone_request_plans_its_own_best_tree_whatever_its_pending_read():
+    """One request in a pass gets what `choose` gives it, a pending read or not (it
+    has no pass to share: its best tree is searched whole), probes included."""
+    rng = random.Random(7)
+    for _ in range(40):
+        model = CostModel(VerifyTime(flat=rng.uniform(0.02, 0.3), base=rng.uniform(0.001, 0.05),
+                                     slope=rng.uniform(1e-4, 5e-3)),
+                          (GrowTime("m", rng.uniform(0.001, 0.03), rng.uniform(1e-4, 3e-3)),))
+        planned, chosen = (CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=12, probe_every=4)
+                           for _ in range(2))
+        for _ in range(12):
+            remaining, regime = rng.choice([1, 2, 5, 100]), rng.choice(["greedy", "sampled", "seeded"])
+            ask = TreeAsk(remaining, regime, rng.choice([0.0, 0.3]))
+            assert planned.plan([ask]) == [chosen.choose(remaining, regime)]
 
 
 def test_a_pending_prompt_read_is_priced_into_a_requests_trees():

@@ -111,7 +111,7 @@ the tree and the seed reproduces it, at a lower acceptance)."""
 class BudgetPolicy:
     """What the decoder asks a budget policy: `choose` and `observe` (one request's
     step) are its own; the rest have the defaults of a policy that prices nothing
-    (FixedBudget, AdaptiveDepth): every request of a step as if it were alone. The cost
+    (FixedBudget, AdaptiveDepth): every request of a step as if the pass were its own. The cost
     model's policy overrides them (cost_policy.py)."""
 
     uses_timed_passes = False
@@ -128,7 +128,7 @@ class BudgetPolicy:
     def plan(self, asks: Sequence[TreeAsk | tuple]) -> list[StepBudget]:
         """Each request's budget in a step whose one target pass they share (one
         request or several; `TreeAsk`s, or tuples of their fields): each one's own
-        `choose`, as if alone."""
+        `choose`, as if the pass were its own."""
         return [self.choose(remaining, regime=regime) for remaining, regime, *_ in asks]
 
     def observe_pass(self, record: PassRecord) -> None:

@@ -103,7 +103,7 @@ class CostModelBudget(BudgetPolicy):
     def plan(self, asks: Sequence[TreeAsk | tuple]) -> list[StepBudget]:
         """Budgets for the requests of one target pass (`TreeAsk`s, or tuples of their
         fields): one row budget split between them to maximise the tokens all of them
-        accept per second (row_budget.py); a request alone gets its best tree. The
+        accept per second (row_budget.py); a lone request gets its best tree. The
         answer only changes when the model is refit or the mix of requests does: between
         refits it is reused (a search is 1-4 ms of Python, a few percent of a small step).
 
@@ -153,13 +153,13 @@ class CostModelBudget(BudgetPolicy):
     def _split(self, mix: tuple[tuple[int, str, float], ...]) -> list[StepBudget]:
         """Each request weighs the trees of its lone best tree's family (that depth),
         up to that tree's size: a pass the others already pay for leaves a tree less to
-        amortize, so sharing never makes a bigger tree pay than alone (and a request
-        whose trees do not pay alone decodes without one). A tree's grow time carries
+        amortize, so sharing never makes a bigger tree pay than a pass of its own (and a
+        request whose trees do not pay in a pass of their own decodes without one). A tree's grow time carries
         the request's unread prompt (`read_share`: seconds per token it will commit),
         times the tokens a step with that tree commits. Minions that grow the requests'
         trees in shared passes (`price_batch_grows`) are priced once a level for all.
 
-        A request alone gets its lone best tree itself: the split's objective is then
+        A lone request gets its lone best tree itself: the split's objective is then
         that tree's, which `_best` searched whole (the split's walk can stop short of it:
         60 nodes against 48 in 2 of 400 random models) and within `min_nodes` (which
         the split, free to leave a request without a tree, does not keep)."""

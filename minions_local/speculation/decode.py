@@ -5,7 +5,7 @@ each minion may grow. The vote merges the minions' proposals into the one tree t
 target verifies in a single pass.
 
 The decoder knows nothing about text: it moves token ids and returns a stats record
-per target pass. With no minions (or a zero budget) the tree is the root alone and
+per target pass. With no minions (or a zero budget) the tree is the root only and
 a step is exactly one autoregressive target step, through the same code. It speaks
 to the models only through the `Target` protocol and the `BaseMinion` interface
 (core/minion.py).
@@ -107,7 +107,7 @@ class Decoder:
     def prefill_minions(self, context: list[int], slot: int, *, until_a_tree: bool = False) -> None:
         """The minions' part of `prefill`, once the target's cache holds the prompt (a
         prompt read in shared passes, engine/batch.py): read it now, or, when it is long,
-        after the request's first step (which the target then decodes alone).
+        after the request's first step (which the target then decodes without a tree).
 
         until_a_tree: read it only when the request first gets a tree. Among many
         requests trees may not pay at all (a compute-bound CPU at 16 requests), and
@@ -248,7 +248,7 @@ class Decoder:
         shadow: (slot, context) of the requests whose first prompt chunk is in this
         pass: when nobody decodes and a core is free, the minions read those prompts
         beside the target's pass, so that a lone prompt's first token waits for the
-        target's read alone (else prefill_minions reads them after)."""
+        target's read only (else prefill_minions reads them after)."""
         if not requests:
             if chunks:
                 self._prompt_pass(chunks, shadow)
@@ -287,7 +287,7 @@ class Decoder:
         return results
 
     def _prompt_pass(self, chunks: Sequence[PromptChunk], shadow: Sequence[tuple[int, list[int]]]) -> None:
-        """A pass of prompt chunks alone; `shadow`'s prompts read by the minions beside
+        """A pass of prompt chunks only; `shadow`'s prompts read by the minions beside
         it on a core of their own, where there is one (step_shared)."""
         reads = [(slot, self.lanes.setdefault(slot, Lane()), context) for slot, context in shadow]
         if not reads or not self.minions or not _spare_core(self.target):

@@ -11,12 +11,12 @@ q3_k_m substitute, 8 chat requests, 8 requests' trees in one context against a
 context each): 1-node trees 57 against 91 ms, 2-node 93 against 157, 2-node drawn
 (T=0.7) 131 against 186, 8-node 365 against 547.
 
-A request's trees and its order of minions are what they would be alone; only the
-time is shared. Each request is charged an equal share of a shared grow (what its
-selector weighs a minion's time by), and every request's record also holds the whole
-grow (StepRecord.minion_shared): the cost model fits it as passes over all the
-requests' rows and prices such a minion once a tree level for the batch
-(row_budget.BatchGrowCost).
+A request's trees and its order of minions are what they would be in a pass of its
+own; only the time is shared. Each request is charged an equal share of a shared
+grow (what its selector weighs a minion's time by), and every request's record also
+holds the whole grow (StepRecord.minion_shared): the cost model fits it as passes
+over all the requests' rows and prices such a minion once a tree level for the
+batch (row_budget.BatchGrowCost).
 """
 
 from __future__ import annotations

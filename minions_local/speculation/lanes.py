@@ -38,12 +38,13 @@ class PromptRead(Enum):
     DONE = "read"
     """Their caches hold it (or nothing is waiting)."""
     AFTER_FIRST_STEP = "after the first step"
-    """A long prompt: the target gives the first token alone, and they read it next."""
+    """A long prompt: the target gives the first token without a tree, and they read
+    it next."""
     BEFORE_NEXT_STEP = "before the next step"
     """The first step has run: they read the prompt before the second."""
     AT_FIRST_TREE = "at its first tree"
     """A batch request: they read it when it first gets a tree, and the target decodes
-    it alone until then (among many requests trees may never pay)."""
+    it without trees until then (among many requests trees may never pay)."""
 
 
 @dataclass

@@ -110,6 +110,8 @@ class CostModelBudget(BudgetPolicy):
         A request whose minions have not read its prompt (engine/batch.py defers the
         read until a tree pays) pays that read with its first tree: the read is priced
         into its trees, spread over the steps it has left at that tree's pace."""
+        if not asks:
+            return []
         keys = [(max(0, min(self.max_depth, remaining - 1)), regime, _read_share(read_seconds, remaining))
                 for remaining, regime, read_seconds in (TreeAsk(*ask) for ask in asks)]
         order = sorted(range(len(keys)), key=lambda i: keys[i])

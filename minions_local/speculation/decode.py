@@ -320,9 +320,10 @@ class Decoder:
                 chosen[i] = StepBudget(0, 0, 1)
             else:
                 asking.append(i)
+        # (with nobody asking, as with no minions, the policy is not asked: nothing to learn)
         picked = self.policy.plan([TreeAsk(requests[i].remaining, requests[i].regime,
                                            self._unread_seconds(self.lanes[requests[i].slot], requests[i].context))
-                                   for i in asking])
+                                   for i in asking]) if asking else []
         for i, budget in zip(asking, picked):
             chosen[i] = budget
         return chosen

@@ -37,30 +37,8 @@ PYTHON="${PYTHON:-python}"
 CACHE_ROOT="${MINIONS_TOOLS_CACHE:-$HOME/.cache/minions-local/tools}"
 JOBS="${JOBS:-2}"
 
-# ggml's x86 extensions this CPU has, by /proc/cpuinfo flag; AMX is left out on purpose.
-# (The same detection as build_llama_cpp_wheel.sh: the two builds must agree.)
-CPU_FLAGS=""
-CPU_TAG="portable"
-if [ "${MINIONS_LLAMA_CPU:-native}" != portable ] && [ -r /proc/cpuinfo ]; then
-    have=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-    CPU_TAG="x86"
-    if [[ $have == *" avx512f "* && $have == *" avx512bw "* && $have == *" avx512dq "* \
-          && $have == *" avx512vl "* && $have == *" avx512cd "* ]]; then
-        CPU_FLAGS="-DGGML_AVX512=ON"
-        CPU_TAG="$CPU_TAG-avx512"
-        for pair in avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
-            if [[ $have == *" ${pair%%:*} "* ]]; then
-                CPU_FLAGS="$CPU_FLAGS -DGGML_${pair##*:}=ON"
-                CPU_TAG="$CPU_TAG-${pair%%:*}"
-            fi
-        done
-    fi
-    if [[ $have == *" avx_vnni "* ]]; then
-        CPU_FLAGS="$CPU_FLAGS -DGGML_AVX_VNNI=ON"
-        CPU_TAG="$CPU_TAG-avx_vnni"
-    fi
-    [ "$CPU_TAG" = x86 ] && CPU_TAG="portable"  # nothing beyond the AVX2 baseline
-fi
+# ggml's x86 extensions this CPU has (AMX left out on purpose).
+source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
 
 TOOLS_DIR="$CACHE_ROOT/llama.cpp-$VERSION-$CPU_TAG"
 BIN_DIR="$TOOLS_DIR/bin"

@@ -31,29 +31,8 @@ VERSION="${1:-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}}"
 PYTHON="${PYTHON:-python}"
 CACHE_ROOT="${MINIONS_WHEEL_CACHE:-$HOME/.cache/minions-local/wheels}"
 
-# ggml's x86 extensions this CPU has, by /proc/cpuinfo flag; AMX is left out on purpose.
-CPU_FLAGS=""
-CPU_TAG="portable"
-if [ "${MINIONS_LLAMA_CPU:-native}" != portable ] && [ -r /proc/cpuinfo ]; then
-    have=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-    CPU_TAG="x86"
-    if [[ $have == *" avx512f "* && $have == *" avx512bw "* && $have == *" avx512dq "* \
-          && $have == *" avx512vl "* && $have == *" avx512cd "* ]]; then
-        CPU_FLAGS="-DGGML_AVX512=ON"
-        CPU_TAG="$CPU_TAG-avx512"
-        for pair in avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
-            if [[ $have == *" ${pair%%:*} "* ]]; then
-                CPU_FLAGS="$CPU_FLAGS -DGGML_${pair##*:}=ON"
-                CPU_TAG="$CPU_TAG-${pair%%:*}"
-            fi
-        done
-    fi
-    if [[ $have == *" avx_vnni "* ]]; then
-        CPU_FLAGS="$CPU_FLAGS -DGGML_AVX_VNNI=ON"
-        CPU_TAG="$CPU_TAG-avx_vnni"
-    fi
-    [ "$CPU_TAG" = x86 ] && CPU_TAG="portable"  # nothing beyond the AVX2 baseline
-fi
+# ggml's x86 extensions this CPU has (AMX left out on purpose).
+source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
 
 # The flags are part of the cache key: a wheel built with other flags is a different wheel.
 FLAGS_TAG="$CPU_TAG-nocommon"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -29,6 +30,20 @@ from minions_local.core.events import DoneEvent, Event, Generation, TokenEvent
 from minions_local.core.protocols import PromptChunk, common_prefix_len
 from minions_local.engine.reply import PreparedRequest, Reply, request_generator
 from minions_local.speculation.lanes import StepRequest
+
+
+class Stage(Enum):
+    """Where a request of a run stands: the target reads its prompt chunk by chunk,
+    riding other requests' passes, then it decodes."""
+
+    JOINED = "joined"
+    """Nobody has looked at what its slot's target cache holds of its prompt yet."""
+    FIRST_CHUNK = "its first prompt chunk next"
+    """Its next prompt chunk is its first (the minions may read its prompt beside that
+    pass: Decoder.step_shared's `shadow`)."""
+    READING = "reading its prompt"
+    DECODING = "decoding"
+    """Its prompt is in every model's cache: it decodes from the next pass on."""
 
 
 @dataclass(eq=False)
@@ -44,13 +59,14 @@ class BatchRequest:
     joined_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     cancelled: bool = False
-    prefilled: bool = False
-    """Its prompt is in every model's cache: it decodes from the next pass on."""
-    unread: list[int] | None = None
-    """Prompt tokens the target has yet to read (None: not looked at yet)."""
-    first_chunk: bool = False
-    """Its next prompt chunk is its first (the minions may read its prompt beside that
-    pass: Decoder.step_shared's `shadow`)."""
+    stage: Stage = Stage.JOINED
+    unread: list[int] = field(default_factory=list)
+    """Prompt tokens the target has yet to read (once the stage is past JOINED)."""
+
+    @property
+    def prefilled(self) -> bool:
+        """Its prompt is in every model's cache."""
+        return self.stage is Stage.DECODING
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -134,20 +150,20 @@ class BatchRun:
         events: list[tuple[BatchRequest, Event]] = []
         for req in [r for r in self.running if r.cancelled]:
             events += self._finish(req, "cancelled")
-        decoding = [r for r in self.running if r.prefilled]
+        decoding = [r for r in self.running if r.stage is Stage.DECODING]
         try:
             chunks, reading = self.prompt_chunks(busy=bool(decoding))
             results = []
             if decoding or chunks:  # (a newcomer whose slot holds its whole prompt needs no pass)
                 steps = [StepRequest(r.reply.context, r.prepared.params, r.generator, r.reply.remaining,
                                      r.prepared.seed is not None, r.slot) for r in decoding]
-                starting = [(r.slot, r.reply.context) for r in reading if r.first_chunk]
+                starting = [(r.slot, r.reply.context) for r in reading if r.stage is Stage.FIRST_CHUNK]
                 results = self.decoder.step_shared(steps, chunks, shadow=[] if self.defer_minion_reads else starting)
             for req in reading:
-                req.first_chunk = False
+                req.stage = Stage.READING
                 if not req.unread:  # its prompt is in the target: it decodes next
                     self.decoder.prefill_minions(req.reply.context, req.slot, until_a_tree=self.defer_minion_reads)
-                    req.prefilled = True
+                    req.stage = Stage.DECODING
                     req.reply.prefill_seconds = time.perf_counter() - req.joined_at
         except BaseException:
             for req in self.running:
@@ -178,12 +194,12 @@ class BatchRun:
         chunks and the requests they belong to."""
         chunks, reading, budget = [], [], self.PROMPT_CHUNK if busy else None
         for req in self.running:
-            if req.prefilled:
+            if req.stage is Stage.DECODING:
                 continue
-            if req.unread is None:
+            if req.stage is Stage.JOINED:
                 self.decoder.target.use_slot(req.slot)
                 req.unread = self.decoder.target.missing_prompt(req.reply.context)
-                req.first_chunk = bool(req.unread)
+                req.stage = Stage.FIRST_CHUNK if req.unread else Stage.READING
             piece = req.unread[:self.PROMPT_CHUNK if budget is None else min(self.PROMPT_CHUNK, budget)]
             if req.unread and not piece:
                 continue  # the pass is full: the next one reads it
@@ -197,7 +213,7 @@ class BatchRun:
 
     def _finish(self, req: BatchRequest, finish: str | None = None) -> list[tuple[BatchRequest, Event]]:
         self.running.remove(req)
-        if req.prefilled:
+        if req.stage is Stage.DECODING:
             # The target keeps only the prompt's entries: the reference for any later
             # request is the target reading its whole prompt from an empty cache, and a
             # prompt's entries are the same bits however it is chunked
@@ -205,7 +221,7 @@ class BatchRun:
             # tree). A chat's next turn re-reads this reply: one more prompt chunk.
             self.decoder.use_slot(req.slot)
             self.decoder.target.forget_beyond(req.prepared.ids)
-        self.pool.give_back(req.slot, req.prepared.ids[:-1] if req.prefilled else [])
+        self.pool.give_back(req.slot, req.prepared.ids[:-1] if req.stage is Stage.DECODING else [])
         return [(req, e) for e in req.reply.close(finish)]
 
     def close(self) -> None:

@@ -225,19 +225,14 @@ class Engine:
         """
         prepared = self.prepare(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=stop)
-        holder = _Holder()
-        events = self._run(prepared, holder)
-        holder.stream = weakref.ref(events)
-        return events
-
-    def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
-        """One request through the one decode loop (engine/batch.py), on the
-        conversation's slot: its caches stay for the next call."""
         from minions_local.engine.batch import run_requests
 
-        with contextlib.closing(run_requests(self, [prepared], 1, conversation=True, holder=holder)) as events:
-            for _, event in events:  # (closed early, it ends the request and frees the engine at once)
-                yield event
+        # One request through the one decode loop (engine/batch.py), a run of one on
+        # the conversation's slot: its caches stay for the next call.
+        holder = _Holder()
+        events = _events_only(run_requests(self, [prepared], 1, conversation=True, holder=holder))
+        holder.stream = weakref.ref(events)
+        return events
 
     def prepare(self, prompt: str | Sequence[int], *, max_new_tokens: int | None = 256, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -435,6 +430,14 @@ def _eos_ids(target, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _events_only(tagged: Iterator[tuple[int, Event]]) -> Iterator[Event]:
+    """A run's events without their request's tag; closed early, it closes the run (which
+    ends the request and frees the engine at once)."""
+    with contextlib.closing(tagged):
+        for _, event in tagged:
+            yield event
 
 
 def _drain(events: Iterator[Event]) -> Generation:

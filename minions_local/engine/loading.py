@@ -23,7 +23,7 @@ from minions_local.core.tiers import TIERS, streams
 from minions_local.engine.text import load_tokenizer
 from minions_local.models.gguf_file import shard_paths
 from minions_local.models.vocabulary import mismatch, model_tokens, tokens_differ
-from minions_local.speculation.budget import BudgetPolicy, StepBudget
+from minions_local.speculation.budget import BudgetPolicy, PassRecord, StepBudget, TreeAsk
 
 Progress = Callable[[LoadProgress], None]
 
@@ -397,9 +397,15 @@ class PolicyAdapter(BudgetPolicy):
     def observe(self, record: StepRecord) -> None:
         self.policy.observe(record)
 
-    def choose_shared(self, requests: Sequence[tuple[int, str, float]]) -> list[StepBudget]:
-        own = getattr(self.policy, "choose_shared", None)
-        return own(requests) if own is not None else super().choose_shared(requests)
+    def plan(self, asks: Sequence[TreeAsk | tuple]) -> list[StepBudget]:
+        own = getattr(self.policy, "plan", None)
+        return own(asks) if own is not None else super().plan(asks)
+
+    def observe_pass(self, record: PassRecord) -> None:
+        if (own := getattr(self.policy, "observe_pass", None)) is not None:
+            own(record)
+        else:
+            super().observe_pass(record)
 
     def price_batch_grows(self, groups: dict[str, int]) -> None:
         if (own := getattr(self.policy, "price_batch_grows", None)) is not None:

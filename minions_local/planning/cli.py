@@ -30,9 +30,9 @@ def schema_reference() -> str:
 
     sections = [
         ("[hardware]", schema.Hardware),
-        ("[target]", schema.Target),
+        ("[target]", schema.TargetSection),
         ("[target.dims], [minions.dims]", schema.KnownDims),
-        ("[[minions]]", schema.Minion),
+        ("[[minions]]", schema.MinionSection),
         ("[speculation]", schema.Speculation),
     ]
     out = ["# Profile fields", ""]

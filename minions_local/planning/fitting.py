@@ -30,7 +30,7 @@ from minions_local.models.minion_search import find_minions, size_text
 from minions_local.models.vocabulary import check_same_tokens, model_tokens
 from minions_local.planning.machine_memory import GB, MachineMemory, usable_memory
 from minions_local.planning.memory_plan import MemoryPlan, gguf_on_llama_cpp, plan_memory
-from minions_local.profile import Minion, ModelDims, Profile, dims_for, load_profile
+from minions_local.profile import MinionSection, ModelDims, Profile, dims_for, load_profile
 
 SUBSTITUTE_BELOW = 1_000_000_000
 """Bytes of a target below which its substitute (about its size in 3 bits) is still a small minion."""
@@ -99,7 +99,7 @@ def _check_llama_cpp_loads(path: Path) -> None:
                              f"llama.cpp cannot load {path}: {said}. Re-download or re-export it.")
 
 
-def _named_minions(profile: Profile) -> tuple[list[Minion], list[str]]:
+def _named_minions(profile: Profile) -> tuple[list[MinionSection], list[str]]:
     """The --minion models as named, each checked against the target's vocabulary now."""
     for m in profile.minions:
         if m.kind in ("gguf", "hf") and m.path:
@@ -107,10 +107,10 @@ def _named_minions(profile: Profile) -> tuple[list[Minion], list[str]]:
     return list(profile.minions), [f"minions: as named with --minion ({', '.join(m.name for m in profile.minions)})"]
 
 
-def _chosen_minions(profile: Profile, target: Path, size: int) -> tuple[list[Minion], list[str]]:
+def _chosen_minions(profile: Profile, target: Path, size: int) -> tuple[list[MinionSection], list[str]]:
     listed = [Path(m.path) for m in profile.minions if m.kind in ("gguf", "hf") and m.path]
     search = find_minions(target, size, model_tokens(target), listed)
-    minions = [Minion(kind=f.kind, path=str(f.path)) for f in search.chosen]
+    minions = [MinionSection(kind=f.kind, path=str(f.path)) for f in search.chosen]
     notes = [f"minion {m.name}: {size_text(f.size)}, {f.where}, on the target's vocabulary"
              for m, f in zip(minions, search.chosen)]
     for m in profile.minions:
@@ -132,7 +132,7 @@ def _chosen_minions(profile: Profile, target: Path, size: int) -> tuple[list[Min
     if search.passed_over:
         notes.append("passed over: " + ", ".join(search.passed_over[:6])
                      + (f" and {len(search.passed_over) - 6} more" if len(search.passed_over) > 6 else ""))
-    minions.append(Minion(kind="ngram"))
+    minions.append(MinionSection(kind="ngram"))
     return minions, notes
 
 

@@ -29,7 +29,7 @@ from minions_local.planning.machine_memory import MachineMemory
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
 from minions_local.profile.gguf_sizes import (fewer_bits, gguf_layer_bytes, gguf_outside_layers_bytes, int4_types,
                                               layer_bits_per_weight, llama_buffer_bytes, llama_cache_cells)
-from minions_local.profile.schema import Minion, Profile
+from minions_local.profile.schema import MinionSection, Profile
 
 GB = 1e9
 
@@ -321,7 +321,7 @@ def _gguf_layer_costs(tgt, dims: ModelDims, math: str, cpu: bool) -> tuple[int, 
     return -(-sum(sizes) // len(sizes)), max(sizes), dense, scratch
 
 
-def _minion_cost(m: Minion, dims: ModelDims | None, kv_tokens: int, index: int):
+def _minion_cost(m: MinionSection, dims: ModelDims | None, kv_tokens: int, index: int):
     """(weight bytes, KV bytes, dims) of one minion; the n-gram minion costs nothing."""
     if m.kind == "ngram":
         return 0, 0, None

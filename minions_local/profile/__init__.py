@@ -7,16 +7,16 @@ speculation, so it lives above them, in `minions_local.planning`.
 
 from minions_local.profile.dims import ModelDims, bytes_per_param, dims_for
 from minions_local.profile.loader import available_profiles, load_profile, models_dir, resolve_model_path
-from minions_local.profile.schema import Hardware, KnownDims, Minion, Profile, Speculation, Target
+from minions_local.profile.schema import Hardware, KnownDims, MinionSection, Profile, Speculation, TargetSection
 
 __all__ = [
     "Hardware",
     "KnownDims",
-    "Minion",
+    "MinionSection",
     "ModelDims",
     "Profile",
     "Speculation",
-    "Target",
+    "TargetSection",
     "available_profiles",
     "bytes_per_param",
     "dims_for",

@@ -116,7 +116,7 @@ class Hardware(_Section):
         return self.compute_tflops.get(dtype) or max(self.compute_tflops.values())
 
 
-class Target(_Section):
+class TargetSection(_Section):
     """The big model whose layers stream in for every verification pass."""
 
     path: str = Field(
@@ -182,7 +182,7 @@ class Target(_Section):
         return data
 
     @model_validator(mode="after")
-    def _gguf_streams_its_own_blocks(self) -> "Target":
+    def _gguf_streams_its_own_blocks(self) -> "TargetSection":
         if self.format == "gguf" and (self.streamed_quantization, self.resident_quantization) != ("none", "none"):
             raise ValueError("a GGUF target streams the file's own quantized blocks: leave streamed_quantization "
                              "and resident_quantization at 'none' (re-quantize the file with llama-quantize "
@@ -192,7 +192,7 @@ class Target(_Section):
         return self
 
 
-class Minion(_Section):
+class MinionSection(_Section):
     """A small draft model (or the n-gram heuristic) that stays resident."""
 
     name: str | None = Field(None, description="Display name; defaults to the folder name or kind.")
@@ -232,7 +232,7 @@ class Minion(_Section):
     )
 
     @model_validator(mode="after")
-    def _path_matches_kind(self) -> "Minion":
+    def _path_matches_kind(self) -> "MinionSection":
         if self.kind == "ngram":
             if self.path is not None:
                 raise ValueError("an 'ngram' minion has no path")
@@ -325,8 +325,8 @@ class Profile(_Section):
     name: str = Field(description="Short name (the file's stem for shipped profiles).")
     description: str = Field("", description="One line shown in the profile picker.")
     hardware: Hardware = Field(description="The machine.")
-    target: Target = Field(description="The big model.")
-    minions: list[Minion] = Field(default_factory=list, description="The draft models.")
+    target: TargetSection = Field(description="The big model.")
+    minions: list[MinionSection] = Field(default_factory=list, description="The draft models.")
     speculation: Speculation = Field(default_factory=Speculation, description="Tree limits.")
     measurements: Measurements | None = Field(None, description="Autotune's raw measurements.")
 

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from minions_local.core.events import DoneEvent, Generation, TokenEvent
 from minions_local.server import errors
 from minions_local.server.errors import ApiError
-from minions_local.server.openai_format import Reply, speculation_stats, sse
+from minions_local.server.openai_format import OpenAIReply, speculation_stats, sse
 from minions_local.server.scheduler import Ended, Failed, Job, QueueFull, Scheduler, Started, Stopped
 from minions_local.server.schema import ChatRequest, CompletionRequest, parse, parse_json
 
@@ -118,7 +118,7 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
         authorize(request)
         req: ChatRequest = parse(ChatRequest, parse_json(await read_body(request)))
         messages, options = req.chat_messages(), req.engine_options()
-        reply = Reply(chat=True, model=settings.model_name, include_usage=req.include_usage)
+        reply = OpenAIReply(chat=True, model=settings.model_name, include_usage=req.include_usage)
         return await serve(request, reply, bool(req.stream), "messages",
                            lambda engine: engine.prepare_chat(messages, **options))
 
@@ -126,11 +126,11 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
         authorize(request)
         req: CompletionRequest = parse(CompletionRequest, parse_json(await read_body(request)))
         prompt, options = req.prompt, req.engine_options()
-        reply = Reply(chat=False, model=settings.model_name, include_usage=req.include_usage)
+        reply = OpenAIReply(chat=False, model=settings.model_name, include_usage=req.include_usage)
         return await serve(request, reply, bool(req.stream), "prompt",
                            lambda engine: engine.prepare(prompt, **options))
 
-    async def serve(request: Request, reply: Reply, stream: bool, prompt_field: str, start: Any) -> Response:
+    async def serve(request: Request, reply: OpenAIReply, stream: bool, prompt_field: str, start: Any) -> Response:
         job = Job(start=start, loop=asyncio.get_running_loop(), name=reply.id)
         try:
             scheduler.submit(job)
@@ -211,7 +211,7 @@ async def _collect(job: Job, prompt_field: str) -> Generation:
             raise _failure(item, prompt_field)
 
 
-async def _events(job: Job, reply: Reply, scheduler: Scheduler, prompt_field: str,
+async def _events(job: Job, reply: OpenAIReply, scheduler: Scheduler, prompt_field: str,
                   profile: str) -> AsyncIterator[str]:
     """The SSE body. If the client disconnects, Starlette cancels this generator at its
     await; the `finally` then cancels the job."""

@@ -49,7 +49,7 @@ def speculation_stats(generation: Generation, *, queue_seconds: float, profile: 
 
 
 @dataclass
-class Reply:
+class OpenAIReply:
     """One response's identity, shared by all its chunks."""
 
     chat: bool

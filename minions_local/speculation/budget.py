@@ -1,14 +1,15 @@
 """How big a tree to verify each step.
 
 A budget policy answers, before each step, how many draft nodes the target should
-verify and how deep the tree may go; after the step it sees what happened. The
-offload-aware cost model is one such policy (cost.py); the simple ones live here.
+verify for each request and how deep the tree may go (`plan`); after the step it sees
+the pass's record (`observe_pass`). The offload-aware cost model is one such policy
+(cost_policy.py); the simple ones live here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from minions_local.core.events import StepRecord
 
@@ -50,6 +51,56 @@ class StepBudget:
         return total
 
 
+class TreeAsk(NamedTuple):
+    """What a budget policy is told of one request before a step (`BudgetPolicy.plan`)."""
+
+    remaining: int
+    """Tokens it may still commit."""
+    regime: str
+    """How it decodes: one of REGIMES."""
+    read_seconds: float = 0.0
+    """What its minions would take to read what they have not read yet (a deferred
+    prompt, tokens decoded without a tree): its next tree pays for that read."""
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One target pass, whole: the step record of every request whose tree rode it, and
+    what the pass measured once. A budget policy learns from it once a pass
+    (`BudgetPolicy.observe_pass`), whether one request or sixteen rode it."""
+
+    steps: tuple[StepRecord, ...]
+    """One per request, in the step's order."""
+    t_verify: float
+    """Seconds of the target's pass (each request's acceptance and commit included)."""
+    rows: int
+    """Rows the pass ran: every request's tree, roots included, and the prompt chunks'."""
+    t_read: float = 0.0
+    """Seconds the minions spent reading prompts before growing."""
+    t_step: float | None = None
+    """Wall seconds of the whole step: the policy, the reads, the growing and the pass
+    (None: not measured)."""
+
+    @classmethod
+    def of(cls, step: StepRecord) -> PassRecord:
+        """The pass of one request's step record (a pass it had to itself)."""
+        return cls((step,), step.t_verify, step.pass_rows or step.tree_size + 1, step.t_read, step.t_step)
+
+    @property
+    def requests(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the pass committed, all requests together."""
+        return sum(s.new_tokens for s in self.steps)
+
+    @property
+    def tree_nodes(self) -> int:
+        """Draft nodes the pass verified, all requests' trees together."""
+        return sum(s.tree_size for s in self.steps)
+
+
 REGIMES = ("greedy", "sampled", "seeded")
 """How a request decodes, which sets how much of a tree the target accepts:
 greedy (temperature 0); sampled (the minions draw their drafts too); seeded (sampling
@@ -58,9 +109,10 @@ the tree and the seed reproduces it, at a lower acceptance)."""
 
 
 class BudgetPolicy:
-    """What the decoder asks a budget policy: `choose` and `observe` are its own; the
-    rest have the defaults of a policy that prices nothing (FixedBudget, AdaptiveDepth),
-    which the cost model's policy overrides (cost_policy.py)."""
+    """What the decoder asks a budget policy: `choose` and `observe` (one request's
+    step) are its own; the rest have the defaults of a policy that prices nothing
+    (FixedBudget, AdaptiveDepth): every request of a step as if the pass were its own. The cost
+    model's policy overrides them (cost_policy.py)."""
 
     uses_timed_passes = False
     """Whether `calibrate` folds in the minions' and the target's timed passes: only
@@ -71,13 +123,18 @@ class BudgetPolicy:
         raise NotImplementedError
 
     def observe(self, record: StepRecord) -> None:
-        """A step's record, after the step."""
+        """One request's step record, after the step."""
 
-    def choose_shared(self, requests: Sequence[tuple[int, str, float]]) -> list[StepBudget]:
-        """Budgets for requests that share one target pass, each given as (remaining
-        tokens, regime, seconds its minions would take to read what they have not read
-        yet): each request's own choice, as if alone."""
-        return [self.choose(remaining, regime=regime) for remaining, regime, *_ in requests]
+    def plan(self, asks: Sequence[TreeAsk | tuple]) -> list[StepBudget]:
+        """Each request's budget in a step whose one target pass they share (one
+        request or several; `TreeAsk`s, or tuples of their fields): each one's own
+        `choose`, as if the pass were its own."""
+        return [self.choose(remaining, regime=regime) for remaining, regime, *_ in asks]
+
+    def observe_pass(self, record: PassRecord) -> None:
+        """A pass's record, after the step: each request's step to `observe`."""
+        for step in record.steps:
+            self.observe(step)
 
     def price_batch_grows(self, groups: dict[str, int]) -> None:
         """Per minion that grows a batch's trees in its own passes, the requests the

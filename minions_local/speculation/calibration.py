@@ -20,7 +20,6 @@ one: the refit raised the flat part, predicted a 42-node tree at 278 ms, and pai
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -29,6 +28,7 @@ from minions_local.core.minion import BaseMinion
 from minions_local.core.protocols import GrowBudget, Minion, Target
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.budget import BudgetPolicy, grow_shape
+from minions_local.speculation.timing import timed
 
 SHAPES = ((2, 2), (16, 2), (32, 2))
 """(nodes, depth) of the timed trees: passes of width 1, 8 and 16 after the first."""
@@ -47,9 +47,9 @@ def time_grow_passes(minion: Minion, vocab: int, shapes: Sequence[tuple[int, int
         for nodes, depth in shapes:
             context = context + [(context[-1] * 5 + 11) % max(vocab, 2), (context[-1] * 3 + 1) % max(vocab, 2)]
             passes, width = grow_shape(nodes, depth)
-            start = time.perf_counter()
-            minion.grow(context, GrowBudget(max_nodes=nodes, max_depth=depth, width=width, top_k=top_k))
-            samples.append((width, (time.perf_counter() - start) / passes))
+            _, seconds = timed(minion.grow, context, GrowBudget(max_nodes=nodes, max_depth=depth, width=width,
+                                                                top_k=top_k))
+            samples.append((width, seconds / passes))
     minion.reset()  # the made-up context is nobody's conversation
     return samples
 
@@ -84,9 +84,7 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
             parent = 0
             for i in range(nodes):
                 parent = tree.add(parent, (context[i % len(context)] * 7 + i) % max(vocab, 2))
-            start = time.perf_counter()
-            target.verify(context, tree)
-            samples.append((nodes, time.perf_counter() - start))
+            samples.append((nodes, timed(target.verify, context, tree)[1]))
     target.reset()  # the made-up context is nobody's conversation
     return samples[1:] if warm_up else samples
 

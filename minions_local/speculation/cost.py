@@ -69,11 +69,11 @@ class VerifyTime:
         pts = [(n + 1, s) for n, s in samples if n > 0]
         line = fit_hinge(pts, (self.flat, self.base, self.slope), weight) if pts else (self.flat, self.base,
                                                                                      self.slope)
-        alone = [s for n, s in samples if n == 0 and s > 0]
+        root_only = [s for n, s in samples if n == 0 and s > 0]
         single = self.single
-        if alone:
+        if root_only:
             prior = self.single if self.single is not None else self(0)
-            single = fit_constant(alone, prior, weight, sum(alone) / len(alone))
+            single = fit_constant(root_only, prior, weight, sum(root_only) / len(root_only))
         return VerifyTime(*line, single=single)
 
 

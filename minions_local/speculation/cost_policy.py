@@ -1,11 +1,11 @@
 """A budget policy driven by the cost model, calibrated online from step records.
 
-Plugs into the decoder like the simple policies in budget.py (`choose` before a
-step, `observe` after it). Each step it asks the CostModel for the tree size that
-maximises E[accepted + 1] / (t_grow + t_verify) and reports its predictions, so the
-step record shows predicted next to measured times.
+Plugs into the decoder like the simple policies in budget.py (`plan` before a step,
+`observe_pass` after it). Each step it asks the CostModel for the tree sizes that
+maximise E[accepted + 1] / (t_grow + t_verify), all requests together, and reports its
+predictions, so the step record shows predicted next to measured times.
 
-What it learns from the records, every `refit_every` steps over the last `window`:
+What it learns from the pass records, every `refit_every` passes over the last `window`:
 - verify time: the cost model's coefficients, refit to (tree size, t_verify);
 - grow time: each minion's own pass time, refit to the seconds it spent growing
   (`StepRecord.minion_t_grow`) over the passes its budget asked for, plus the
@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from statistics import median
 
 from minions_local.core.events import StepRecord
-from minions_local.speculation.budget import REGIMES, BudgetPolicy, StepBudget, grow_shape, width_for
+from minions_local.speculation.budget import (REGIMES, BudgetPolicy, PassRecord, StepBudget, TreeAsk, grow_shape,
+                                               width_for)
 from minions_local.speculation.cost import SIBLING_DECAY, CostModel, acceptance_key, accepted_by_tree_size
 from minions_local.speculation.realized import RealizedRates
 from minions_local.speculation.row_budget import BatchGrowCost, TreeCurve, batch_grow_seconds, split_rows
@@ -62,20 +63,14 @@ class CostModelBudget(BudgetPolicy):
     _steps: deque = field(default_factory=deque, repr=False)
     """Recent (record, the budget that step was given)."""
     _seen: int = 0
-    """Target passes observed (a shared pass's records count as one between them)."""
-    _pass_records: int = 0
-    """Records of the pass now being observed that have arrived so far ..."""
-    _pass_tokens: int = 0
-    """... the tokens they committed ..."""
-    _pass_trees: bool = False
-    """... and whether any of them verified a tree."""
+    """Target passes observed."""
     realized: RealizedRates = field(default_factory=RealizedRates)
     """What shared passes realized with trees and without, per batch size."""
     _passes: deque = field(default_factory=deque, repr=False)
     """Recent passes' (draft nodes priced, seconds, requests sharing it): one sample per
     target pass."""
     _surprised: bool = False
-    """A grow of this pass took far longer than predicted: refit once the pass is in."""
+    """A grow took far longer than predicted: refit once its pass is in."""
     _participation: dict = field(default_factory=dict, repr=False)
     _grown: dict = field(default_factory=dict, repr=False)
     """Per regime, its recent steps that verified a tree."""
@@ -101,35 +96,24 @@ class CostModelBudget(BudgetPolicy):
         self.decays = {regime: SIBLING_DECAY for regime in REGIMES} | self.decays
 
     def choose(self, remaining_tokens: int, regime: str = "greedy") -> StepBudget:
-        depth_cap = max(0, min(self.max_depth, remaining_tokens - 1))
-        if depth_cap == 0:
-            self._last = StepBudget(nodes=0, depth=0, width=1, predicted_t_verify=self.model.t_verify(0),
-                                    predicted_t_grow=0.0)
-            return self._last
-        # The answer only changes when the model is refit: between refits, reuse it
-        # (the search is ~1 ms of Python, a few percent of a small step).
-        self._last = self._own_pass_budget(depth_cap, regime)
-        if self._last.nodes == 0:
-            self._idle += 1
-            if self._idle >= self.probe_every:
-                self._idle = 0
-                self._last = self._probe(depth_cap, regime)
-        else:
-            self._idle = 0
+        """One request's budget: what `plan` gives it in a pass of its own."""
+        self._last = self.plan([TreeAsk(remaining_tokens, regime)])[0]
         return self._last
 
-    def choose_shared(self, requests: Sequence[tuple[int, str] | tuple[int, str, float]]) -> list[StepBudget]:
-        """Budgets for requests that share one target pass, each given as (remaining
-        tokens, regime[, seconds its minions would take to read what they have not
-        read yet]): one row budget split between them to maximise the tokens all of
-        them accept per second (row_budget.py). Cached like `choose`: the split only
-        changes when the model is refit or the mix of requests does.
+    def plan(self, asks: Sequence[TreeAsk | tuple]) -> list[StepBudget]:
+        """Budgets for the requests of one target pass (`TreeAsk`s, or tuples of their
+        fields): one row budget split between them to maximise the tokens all of them
+        accept per second (row_budget.py); a lone request gets its best tree. The
+        answer only changes when the model is refit or the mix of requests does: between
+        refits it is reused (a search is 1-4 ms of Python, a few percent of a small step).
 
         A request whose minions have not read its prompt (engine/batch.py defers the
         read until a tree pays) pays that read with its first tree: the read is priced
         into its trees, spread over the steps it has left at that tree's pace."""
-        keys = [(max(0, min(self.max_depth, r[0] - 1)), r[1], _read_share(r[2] if len(r) > 2 else 0.0, r[0]))
-                for r in requests]
+        if not asks:
+            return []
+        keys = [(max(0, min(self.max_depth, remaining - 1)), regime, _read_share(read_seconds, remaining))
+                for remaining, regime, read_seconds in (TreeAsk(*ask) for ask in asks)]
         order = sorted(range(len(keys)), key=lambda i: keys[i])
         mix = tuple(keys[i] for i in order)
         if mix not in self._chosen:
@@ -141,7 +125,7 @@ class CostModelBudget(BudgetPolicy):
                 budgets = [self._plain(len(mix))] * len(mix)
         elif any(cap for cap, _, _ in mix):
             self._idle += 1
-            if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see choose)
+            if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see probe_every)
                 self._idle = 0
                 # Probes measure acceptance, and a handful of trees measures it far
                 # better than one: every request whose minions have read its context
@@ -171,11 +155,19 @@ class CostModelBudget(BudgetPolicy):
     def _split(self, mix: tuple[tuple[int, str, float], ...]) -> list[StepBudget]:
         """Each request weighs the trees of its lone best tree's family (that depth),
         up to that tree's size: a pass the others already pay for leaves a tree less to
-        amortize, so sharing never makes a bigger tree pay than alone (and a request
-        whose trees do not pay alone decodes without one). A tree's grow time carries
+        amortize, so sharing never makes a bigger tree pay than a pass of its own (and a
+        request whose trees do not pay in a pass of their own decodes without one). A tree's grow time carries
         the request's unread prompt (`read_share`: seconds per token it will commit),
         times the tokens a step with that tree commits. Minions that grow the requests'
-        trees in shared passes (`price_batch_grows`) are priced once a level for all."""
+        trees in shared passes (`price_batch_grows`) are priced once a level for all.
+
+        A lone request gets its lone best tree itself: the split's objective is then
+        that tree's, which `_best` searched whole (the split's walk can stop short of it:
+        60 nodes against 48 in 2 of 400 random models) and within `min_nodes` (which
+        the split, free to leave a request without a tree, does not keep)."""
+        if len(mix) == 1:
+            cap, regime, _ = mix[0]
+            return [self._own_pass_budget(cap, regime) if cap else self._plain(1)]
         curves, depth_tables, growing = [], [], []
         for cap, regime, read_share in mix:
             own = self._own_pass_budget(cap, regime) if cap else None
@@ -271,7 +263,27 @@ class CostModelBudget(BudgetPolicy):
         self._chosen.clear()
 
     def observe(self, record: StepRecord) -> None:
-        # The budget the step grew under: a shared step's records say it themselves
+        """One request's step, in a pass of its own."""
+        self.observe_pass(PassRecord.of(record))
+
+    def observe_pass(self, record: PassRecord) -> None:
+        """A pass is one verify sample and one step towards a refit, however many
+        requests rode it (counting requests' records instead refit twice a pass at 16
+        requests, each refit dropping the cached split: 76 ms of Python in a 430 ms
+        pass, with the lone trees searched anew; and 4 passes filled the verify window)."""
+        for step in record.steps:
+            self._add_step(step)
+        if record.t_step is not None and record.t_read == 0:
+            self.realized.add(record.requests, record.tree_nodes > 0, record.tokens, record.t_step)
+        self._passes.append((record.rows - 1, record.t_verify, max(1, record.requests)))
+        self._seen += 1
+        if self._seen % self.refit_every == 0 or self._surprised:
+            self._surprised = False
+            self.refit()
+
+    def _add_step(self, record: StepRecord) -> None:
+        """One request's step, for the grow and acceptance fits."""
+        # The budget the step grew under: the decoder's records say it themselves
         # (several budgets were chosen before any of them was observed).
         budget = self._last
         if record.grow_depth is not None:
@@ -286,25 +298,6 @@ class CostModelBudget(BudgetPolicy):
             # sampled requests must not push the greedy ones out of the window.
             self._grown.setdefault(record.regime, deque(maxlen=self.window)).append(record)
             self._stale.add(record.regime)
-        # A shared pass's records arrive together, one per request (decode.py
-        # step_shared): the pass is one verify sample and one step towards a refit.
-        # Counting records instead refit twice a pass at 16 requests, each refit
-        # dropping the cached split (76 ms of Python in a 430 ms pass, with the lone
-        # trees searched anew), and let 4 passes fill the whole verify window.
-        self._pass_records += 1
-        self._pass_tokens += record.new_tokens
-        self._pass_trees |= record.tree_size > 0
-        if self._pass_records < max(1, record.batch_size):
-            return
-        if record.t_step is not None and record.t_read == 0:
-            self.realized.add(record.batch_size, self._pass_trees, self._pass_tokens, record.t_step)
-        self._pass_records = self._pass_tokens = 0
-        self._pass_trees = False
-        self._passes.append((pass_nodes(record), record.t_verify, max(1, record.batch_size)))
-        self._seen += 1
-        if self._seen % self.refit_every == 0 or self._surprised:
-            self._surprised = False
-            self.refit()
 
     def refit(self) -> None:
         """Recalibrate acceptance, verify and grow times from the recent steps."""
@@ -338,12 +331,6 @@ def _read_share(read_seconds: float, remaining: int) -> float:
     if read_seconds <= 0 or remaining <= 0:
         return 0.0
     return round(math.exp(round(math.log(read_seconds / remaining) * 10) / 10), 6)
-
-
-def pass_nodes(record: StepRecord) -> int:
-    """The draft nodes a pass's time is priced at: a shared pass ran every sharing
-    request's rows (each root counts as a node beyond the first)."""
-    return record.pass_rows - 1 if record.pass_rows else record.tree_size
 
 
 def grow_samples(grown: list[tuple[StepRecord, StepBudget]]) -> dict[str, list[tuple[int, float]]]:

@@ -5,7 +5,7 @@ each minion may grow. The vote merges the minions' proposals into the one tree t
 target verifies in a single pass.
 
 The decoder knows nothing about text: it moves token ids and returns a stats record
-per target pass. With no minions (or a zero budget) the tree is the root alone and
+per target pass. With no minions (or a zero budget) the tree is the root only and
 a step is exactly one autoregressive target step, through the same code. It speaks
 to the models only through the `Target` protocol and the `BaseMinion` interface
 (core/minion.py).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
@@ -33,10 +32,11 @@ from minions_local.core.sampling import SamplingParams
 from minions_local.core.tree import TokenTree
 from minions_local.speculation.accept import accept, check_finite, rank_trials
 from minions_local.speculation.ahead import GrowingAhead, ahead_budget, ahead_pays, core_for_minions
-from minions_local.speculation.budget import BudgetPolicy, StepBudget
+from minions_local.speculation.budget import BudgetPolicy, PassRecord, StepBudget, TreeAsk
 from minions_local.speculation.growing import Growth, GrowJob, grow_all, new_job
-from minions_local.speculation.lanes import Lane, PassTotals, PromptRead, StepRequest
+from minions_local.speculation.lanes import Lane, PromptRead, StepRequest
 from minions_local.speculation.selection import MinionSelector
+from minions_local.speculation.timing import PassTotals, StepClock, timed
 from minions_local.speculation.vote import merge_greedy, merge_sampled
 
 T = TypeVar("T")
@@ -107,12 +107,12 @@ class Decoder:
     def prefill_minions(self, context: list[int], slot: int, *, until_a_tree: bool = False) -> None:
         """The minions' part of `prefill`, once the target's cache holds the prompt (a
         prompt read in shared passes, engine/batch.py): read it now, or, when it is long,
-        after the request's first step (which the target then decodes alone).
+        after the request's first step (which the target then decodes without a tree).
 
         until_a_tree: read it only when the request first gets a tree. Among many
         requests trees may not pay at all (a compute-bound CPU at 16 requests), and
         then reading 16 prompts into the minions is time lost; the budget policy
-        prices the read into the request's trees (cost_policy.choose_shared)."""
+        prices the read into the request's trees (cost_policy.plan)."""
         self._minions_use(slot)
         lane = self.lanes.setdefault(slot, Lane())
         unread = lane.unread(context)
@@ -125,15 +125,22 @@ class Decoder:
         else:
             self._minions_read([(slot, lane, context)])
 
-    def _minions_read(self, reads: list[tuple[int, Lane, list[int]]], *, beside_target: bool = False) -> None:
-        """The minions read each (slot, lane, context)'s unread prompt. With the target
-        idle, each minion reads them all in one `prefill_batch` (llama.cpp, the compact
-        forward: in shared passes on every core); beside the target's own prefill each
-        reads them one by one on its own threads."""
+    def _minions_read(self, reads: list[tuple[int, Lane, list[int]]], *, beside_target: bool = False) -> float:
+        """The minions read each (slot, lane, context)'s unread prompt; the seconds it
+        took (0.0: nothing to read). With the target idle, each minion reads them all
+        in one `prefill_batch` (llama.cpp, the compact forward: in shared passes on every
+        core); beside the target's own prefill each reads them one by one on its own
+        threads."""
         if not reads:
-            return
+            return 0.0
         unread = sum(lane.unread(context) for _, lane, context in reads)
-        start = time.perf_counter()
+        _, seconds = timed(self._read, reads, beside_target)
+        if unread >= self.TIMED_READ:
+            per_token, known = seconds / unread, self.read_seconds_per_token
+            self.read_seconds_per_token = per_token if known is None else 0.7 * known + 0.3 * per_token
+        return seconds
+
+    def _read(self, reads: list[tuple[int, Lane, list[int]]], beside_target: bool) -> None:
         for _, lane, context in reads:
             lane.minions_saw = list(context)
             lane.prompt = PromptRead.DONE
@@ -144,10 +151,6 @@ class Decoder:
                     m.prefill(context)
             else:
                 m.prefill_batch([(slot, context) for slot, _, context in reads])
-        if unread >= self.TIMED_READ:
-            per_token = (time.perf_counter() - start) / unread
-            known = self.read_seconds_per_token
-            self.read_seconds_per_token = per_token if known is None else 0.7 * known + 0.3 * per_token
 
     TIMED_READ = 16
     """Reads shorter than this say little about a read's cost per token (a minion's
@@ -245,42 +248,46 @@ class Decoder:
         shadow: (slot, context) of the requests whose first prompt chunk is in this
         pass: when nobody decodes and a core is free, the minions read those prompts
         beside the target's pass, so that a lone prompt's first token waits for the
-        target's read alone (else prefill_minions reads them after)."""
+        target's read only (else prefill_minions reads them after)."""
         if not requests:
             if chunks:
                 self._prompt_pass(chunks, shadow)
             return []
-        t0 = time.perf_counter()  # the policy's own time counts as growing: it is part of the step
-        budgets = self._budgets(requests)
-        t_policy = time.perf_counter() - t0
+        clock = StepClock()
+        # Plan: each request's tree budget (the policy's own time counts as growing: it
+        # is part of the step), then the reads that must come before growing.
+        budgets, t_policy = timed(self._budgets, requests)
         due = self._reads_due(requests, budgets)
         prompts = [read for read in due if read[1].prompt is not PromptRead.DONE]
         backlog = [read for read in due if read[1].prompt is PromptRead.DONE]
-        t_read = self._timed_read(prompts)
-        t_catch_up = self._timed_read(backlog)
+        t_read, t_catch_up = self._minions_read(prompts), self._minions_read(backlog)
+        # Execute: the minions grow and vote every request's tree, the target verifies
+        # them all in one pass, and each request accepts and commits its own.
         jobs = [self._job(r, b) for r, b in zip(requests, budgets)]
         grow_all(self.minions, [job for job, _ in jobs])
-        plans = [self._plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
+        plans = [self._vote_plan(r, b, job, t_own) for r, b, (job, t_own) in zip(requests, budgets, jobs)]
         caught_up = {slot for slot, _, _ in backlog}
         for plan in plans:
             # A backlog read belongs to the tree it was read for: the step's growing
             # (not any minion's own, which the grow model is fitted to).
             plan.t_grow += t_policy / len(plans) + (t_catch_up / len(caught_up) if plan.request.slot in caught_up
                                                     else 0.0)
-        t1 = time.perf_counter()
         streamed_before = self.target.bytes_streamed()
-        outcomes = self._verify(plans, chunks)
-        t2 = time.perf_counter()
-        self._verify_seconds = t2 - t1 if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * (t2 - t1)
-        streamed = self.target.bytes_streamed() - streamed_before
+        outcomes, t_verify = timed(self._verify_and_commit, plans, chunks)
+        t_step = clock.elapsed() if len(plans) > 1 or chunks else None
+        self._verify_seconds = t_verify if self._verify_seconds is None else 0.8 * self._verify_seconds + 0.2 * t_verify
         rows = sum(len(p.tree) for p in plans) + sum(len(c.tokens) for c in chunks)
-        totals = PassTotals(t2 - t1, streamed, rows, len(plans), t_policy, t_read,
-                            t2 - t0 if len(plans) > 1 or chunks else None)
-        return [self._learn(plan, path, bonus, ahead_nodes, totals) for plan, (path, bonus, ahead_nodes) in
-                zip(plans, outcomes)]
+        totals = PassTotals(t_verify, self.target.bytes_streamed() - streamed_before, rows, len(plans), t_policy,
+                            t_read, t_step)
+        # Observe: the minions commit each request's tokens, and the selectors and the
+        # policy learn from the pass.
+        results = [self._commit_to_minions(plan, path, bonus, ahead_nodes, totals)
+                   for plan, (path, bonus, ahead_nodes) in zip(plans, outcomes)]
+        self.policy.observe_pass(PassRecord(tuple(r.record for r in results), t_verify, rows, t_read, t_step))
+        return results
 
     def _prompt_pass(self, chunks: Sequence[PromptChunk], shadow: Sequence[tuple[int, list[int]]]) -> None:
-        """A pass of prompt chunks alone; `shadow`'s prompts read by the minions beside
+        """A pass of prompt chunks only; `shadow`'s prompts read by the minions beside
         it on a core of their own, where there is one (step_shared)."""
         reads = [(slot, self.lanes.setdefault(slot, Lane()), context) for slot, context in shadow]
         if not reads or not self.minions or not _spare_core(self.target):
@@ -302,17 +309,9 @@ class Decoder:
                 wait([minions])  # never leave a thread writing minion caches behind an error
             minions.result()
 
-    def _timed_read(self, reads: list[tuple[int, Lane, list[int]]]) -> float:
-        """The minions read `reads` (_minions_read); the seconds it took (0.0: nothing to read)."""
-        if not reads:
-            return 0.0
-        start = time.perf_counter()
-        self._minions_read(reads)
-        return time.perf_counter() - start
-
     def _budgets(self, requests: Sequence[StepRequest]) -> list[StepBudget]:
-        """Each request's tree size: the policy's choice for one request; for several,
-        one row budget split between them where the policy can (cost_policy.py)."""
+        """Each request's tree size: the policy's plan for the requests that may grow a
+        tree (one row budget split between them where the policy can: cost_policy.py)."""
         chosen: list[StepBudget | None] = [None] * len(requests)
         asking = []
         for i, r in enumerate(requests):
@@ -321,13 +320,10 @@ class Decoder:
                 chosen[i] = StepBudget(0, 0, 1)
             else:
                 asking.append(i)
-        if len(asking) > 1:
-            picked = self.policy.choose_shared([(requests[i].remaining, requests[i].regime,
-                                                 self._unread_seconds(self.lanes[requests[i].slot],
-                                                                      requests[i].context))
-                                                for i in asking])
-        else:
-            picked = [self.policy.choose(requests[i].remaining, regime=requests[i].regime) for i in asking]
+        # (with nobody asking, as with no minions, the policy is not asked: nothing to learn)
+        picked = self.policy.plan([TreeAsk(requests[i].remaining, requests[i].regime,
+                                           self._unread_seconds(self.lanes[requests[i].slot], requests[i].context))
+                                   for i in asking]) if asking else []
         for i, budget in zip(asking, picked):
             chosen[i] = budget
         return chosen
@@ -349,26 +345,29 @@ class Decoder:
         """One request's growing, ready to run on its slot of every minion (growing.py),
         and the seconds spent making it ready."""
         self._minions_use(request.slot)
-        start = time.perf_counter()
-        selector = self.selector(request.regime)
-        draws = request.params if request.regime == "sampled" else None
-        job = new_job(request.context, request.slot, budget, selector, selector.weights(), self.minions,
-                      draws=draws, generator=request.generator, top_k=self.top_k,
-                      vocab_limit=self.target.vocab_size)
-        return job, time.perf_counter() - start
 
-    def _plan(self, request: StepRequest, budget: StepBudget, job: GrowJob, t_own: float) -> _Plan:
-        """Vote one request's grown proposals into the tree the target verifies."""
-        start = time.perf_counter()
+        def job() -> GrowJob:
+            selector = self.selector(request.regime)
+            draws = request.params if request.regime == "sampled" else None
+            return new_job(request.context, request.slot, budget, selector, selector.weights(), self.minions,
+                           draws=draws, generator=request.generator, top_k=self.top_k,
+                           vocab_limit=self.target.vocab_size)
+        return timed(job)
+
+    def _vote_plan(self, request: StepRequest, budget: StepBudget, job: GrowJob, t_own: float) -> _Plan:
+        """Vote one request's grown proposals into the tree the target verifies; a
+        request whose long prompt the minions read after its first step moves on to
+        reading it before the next."""
         lane = self.lanes[request.slot]
         minions_unread = lane.prompt is not PromptRead.DONE
         if lane.prompt is PromptRead.AFTER_FIRST_STEP:
             lane.prompt = PromptRead.BEFORE_NEXT_STEP
-        tree = self._vote(request.context[-1], job.growth, job.weights, budget, sampled=job.sampled)
-        t_grow = t_own + sum(job.growth.seconds) + time.perf_counter() - start
+        tree, t_vote = timed(self._vote, request.context[-1], job.growth, job.weights, budget, sampled=job.sampled)
+        t_grow = t_own + sum(job.growth.seconds) + t_vote
         return _Plan(request, budget, job.growth, job.weights, tree, minions_unread, t_grow)
 
-    def _verify(self, plans: list[_Plan], chunks: Sequence[PromptChunk] = ()) -> list[tuple[list[int], int, int]]:
+    def _verify_and_commit(self, plans: list[_Plan],
+                           chunks: Sequence[PromptChunk] = ()) -> list[tuple[list[int], int, int]]:
         """The target's pass over every plan's tree, then each request's acceptance and
         the target's commit: (accepted path, bonus token, nodes grown ahead) per plan.
         Only a lone request's minions grow ahead (ahead.py): with several, the pass
@@ -395,8 +394,10 @@ class Decoder:
         outcomes[0][2] = ahead_nodes
         return [tuple(o) for o in outcomes]
 
-    def _learn(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int, totals: PassTotals) -> StepResult:
-        """Commit one request's tokens to its minions, and learn from its step."""
+    def _commit_to_minions(self, plan: _Plan, path: list[int], bonus: int, ahead_nodes: int,
+                           totals: PassTotals) -> StepResult:
+        """Commit one request's tokens to its minions, and let its selector learn from
+        its step; its record, for the policy."""
         r, tree, growth, budget = plan.request, plan.tree, plan.growth, plan.budget
         t_verify, requests = totals.t_verify, totals.requests
         tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
@@ -427,7 +428,6 @@ class Decoder:
             grow_depth=budget.depth, batch_size=requests, pass_rows=totals.rows, t_read=totals.t_read,
             t_step=totals.t_step,
         )
-        self.policy.observe(record)
         return StepResult(tokens, record, tree, path)
 
     def _priced_tree(self, growth: Growth) -> bool:

@@ -11,17 +11,16 @@ q3_k_m substitute, 8 chat requests, 8 requests' trees in one context against a
 context each): 1-node trees 57 against 91 ms, 2-node 93 against 157, 2-node drawn
 (T=0.7) 131 against 186, 8-node 365 against 547.
 
-A request's trees and its order of minions are what they would be alone; only the
-time is shared. Each request is charged an equal share of a shared grow (what its
-selector weighs a minion's time by), and every request's record also holds the whole
-grow (StepRecord.minion_shared): the cost model fits it as passes over all the
-requests' rows and prices such a minion once a tree level for the batch
-(row_budget.BatchGrowCost).
+A request's trees and its order of minions are what they would be in a pass of its
+own; only the time is shared. Each request is charged an equal share of a shared
+grow (what its selector weighs a minion's time by), and every request's record also
+holds the whole grow (StepRecord.minion_shared): the cost model fits it as passes
+over all the requests' rows and prices such a minion once a tree level for the
+batch (row_budget.BatchGrowCost).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -33,6 +32,7 @@ from minions_local.core.protocols import CandidateTree, GrowBudget
 from minions_local.core.sampling import SamplingParams
 from minions_local.speculation.budget import StepBudget, grow_shape, width_for
 from minions_local.speculation.selection import MinionSelector
+from minions_local.speculation.timing import timed
 from minions_local.speculation.vote import source_shares
 
 
@@ -188,16 +188,12 @@ def _grow_round(minions: Sequence[BaseMinion], asked: dict[int, list[GrowJob]]) 
     for m, jobs in asked.items():
         minion = minions[m]
         if minion.grows_batches and len(jobs) > 1:
-            start = time.perf_counter()
-            trees = minion.grow_batch([(job.slot, job.context, job.budgets[m]) for job in jobs])
-            seconds = time.perf_counter() - start
+            trees, seconds = timed(minion.grow_batch, [(job.slot, job.context, job.budgets[m]) for job in jobs])
             batch = BatchGrow.of(minion, [job.budgets[m] for job in jobs], seconds)
             for job, tree in zip(jobs, trees):
                 job.grew(m, tree, seconds / len(jobs), batch)
             continue
         for job in jobs:
             minion.use_slot(job.slot)
-            start = time.perf_counter()
-            tree = minion.grow(job.context, job.budgets[m])
-            job.grew(m, tree, time.perf_counter() - start)
+            job.grew(m, *timed(minion.grow, job.context, job.budgets[m]))
 

@@ -38,12 +38,13 @@ class PromptRead(Enum):
     DONE = "read"
     """Their caches hold it (or nothing is waiting)."""
     AFTER_FIRST_STEP = "after the first step"
-    """A long prompt: the target gives the first token alone, and they read it next."""
+    """A long prompt: the target gives the first token without a tree, and they read
+    it next."""
     BEFORE_NEXT_STEP = "before the next step"
     """The first step has run: they read the prompt before the second."""
     AT_FIRST_TREE = "at its first tree"
     """A batch request: they read it when it first gets a tree, and the target decodes
-    it alone until then (among many requests trees may never pay)."""
+    it without trees until then (among many requests trees may never pay)."""
 
 
 @dataclass
@@ -58,18 +59,3 @@ class Lane:
     def unread(self, context: list[int]) -> int:
         """Tokens of `context` the minions' caches do not hold yet."""
         return len(context) - common_prefix_len(self.minions_saw, context)
-
-
-@dataclass(frozen=True)
-class PassTotals:
-    """A step's pass-wide measures, the same for every request that rode its pass (one
-    or several): the target's pass, the policy's and the reads' time."""
-
-    t_verify: float
-    streamed: int
-    rows: int
-    requests: int
-    t_policy: float
-    t_read: float
-    t_step: float | None
-    """The whole step's wall time, when requests or prompt chunks shared it."""

@@ -54,7 +54,11 @@ class RealizedRates:
         not: not while trees realize less than plain passes at this batch size, nor on
         the pass that measures plain decoding while it has too few samples (one in
         `every`); trees that lost are tried again one pass in `every`. Each call counts
-        as a pass of that batch size (what `every` counts)."""
+        as a pass of that batch size (what `every` counts). A lone request's trees
+        always go through: its passes are not measured (`add`), and its tree is the
+        cost model's best for it alone, fitted to those very passes."""
+        if requests < 2:
+            return True
         asked = self._asked[requests] = self._asked.get(requests, 0) + 1
         turn = asked % self.every == 0
         plain, trees = self.rate(requests, False), self.rate(requests, True)

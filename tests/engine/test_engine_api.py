@@ -59,7 +59,7 @@ def test_prompt_extending_previous_reuses_the_cache(engine, reference):
     finally:
         del engine.decoder.target.extend
     assert out == hf_greedy(reference, second_prompt, 10)
-    # The reply is re-read as prompt (the cache keeps prompt entries only: Engine._run),
+    # The reply is re-read as prompt (the cache keeps prompt entries only: BatchRun._finish),
     # the first prompt is not.
     assert sum(ran) <= len(first) + 3, f"earlier tokens were re-run: prefill lengths {ran}"
 

@@ -182,7 +182,7 @@ def test_readme_documents_every_field():
     from minions_local.profile import schema
 
     readme = (Path(__file__).resolve().parents[2] / "profiles" / "README.md").read_text()
-    for model in (schema.Hardware, schema.Target, schema.KnownDims, schema.Minion, schema.Speculation):
+    for model in (schema.Hardware, schema.TargetSection, schema.KnownDims, schema.MinionSection, schema.Speculation):
         for name in model.model_fields:
             assert f"`{name}`" in readme, f"profiles/README.md lacks {model.__name__}.{name}: regenerate with --schema"
 

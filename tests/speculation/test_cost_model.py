@@ -161,6 +161,7 @@ def test_refit_grow_line_and_unknown_names_are_ignored():
 # -- the budget policy built on the cost model ------------------------------------------------
 
 from minions_local.core.events import StepRecord  # noqa: E402
+from minions_local.speculation.budget import PassRecord  # noqa: E402
 from minions_local.speculation.cost_policy import CostModelBudget, calibrate_acceptance  # noqa: E402
 
 
@@ -375,9 +376,9 @@ def test_a_shared_pass_is_one_step_of_the_refit_and_one_verify_sample():
     policy.refit = lambda: refits.append(len(policy._passes))  # type: ignore[method-assign]
 
     def shared_pass(k: int, rows: int, seconds: float) -> None:
-        for _ in range(k):
-            policy.observe(StepRecord(tree_size=rows // k - 1, accepted=0, t_grow=0.01, t_verify=seconds,
-                                      depth=1, batch_size=k, pass_rows=rows, minion_t_grow={"m": 0.009}))
+        steps = [StepRecord(tree_size=rows // k - 1, accepted=0, t_grow=0.01, t_verify=seconds,
+                            depth=1, batch_size=k, pass_rows=rows, minion_t_grow={"m": 0.009}) for _ in range(k)]
+        policy.observe_pass(PassRecord(tuple(steps), seconds, rows))
 
     for i in range(3):
         shared_pass(16, 32, 0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minions_local.core.events import StepRecord
+from minions_local.speculation.budget import PassRecord
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
 from minions_local.speculation.cost_policy import CostModelBudget
 from minions_local.speculation.realized import RealizedRates
@@ -28,10 +29,10 @@ def test_trees_that_realize_less_than_plain_passes_are_held_back_and_retried_now
 
 
 def _pass(policy, requests, tree, tokens, seconds, t_read=0.0):
-    for i in range(requests):
-        policy.observe(StepRecord(tree_size=tree, accepted=tokens // requests - 1, t_grow=0.0, t_verify=0.05,
-                                  new_tokens=tokens // requests, batch_size=requests, pass_rows=requests * (tree + 1),
-                                  t_step=seconds, t_read=t_read, depth=1 if tree else 0))
+    steps = [StepRecord(tree_size=tree, accepted=tokens // requests - 1, t_grow=0.0, t_verify=0.05,
+                        new_tokens=tokens // requests, batch_size=requests, pass_rows=requests * (tree + 1),
+                        t_step=seconds, t_read=t_read, depth=1 if tree else 0) for _ in range(requests)]
+    policy.observe_pass(PassRecord(tuple(steps), 0.05, requests * (tree + 1), t_read, seconds))
 
 
 def test_the_policy_feeds_its_shared_passes_to_the_check_and_obeys_it():
@@ -40,7 +41,7 @@ def test_the_policy_feeds_its_shared_passes_to_the_check_and_obeys_it():
     policy.rates["greedy"] = (0.9, 0.9)
     policy.price_batch_grows({"q3": 8})
     mix = [(100, "greedy", 0.0)] * 8
-    assert all(b.nodes > 0 for b in policy.choose_shared(mix))
+    assert all(b.nodes > 0 for b in policy.plan(mix))
     for _ in range(6):
         _pass(policy, 8, tree=0, tokens=8, seconds=0.064)
         _pass(policy, 8, tree=2, tokens=16, seconds=0.200)
@@ -48,5 +49,5 @@ def test_the_policy_feeds_its_shared_passes_to_the_check_and_obeys_it():
     assert policy.realized.rate(8, True) == pytest.approx(80.0)
     policy.rates["greedy"] = (0.9, 0.9)  # (the refits above fitted it to these records)
     policy._chosen.clear()
-    budgets = [policy.choose_shared(mix) for _ in range(policy.realized.every)]
+    budgets = [policy.plan(mix) for _ in range(policy.realized.every)]
     assert sum(any(b.nodes for b in step) for step in budgets) == 1  # only the re-measuring pass

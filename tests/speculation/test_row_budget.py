@@ -1,10 +1,12 @@
 """One pass's rows split between the requests that share it (row_budget.py and
-CostModelBudget.choose_shared)."""
+CostModelBudget.plan)."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
+from minions_local.speculation.budget import TreeAsk
 from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
 from minions_local.speculation.cost_policy import CostModelBudget
 from minions_local.speculation.row_budget import BatchGrowCost, TreeCurve, split_rows
@@ -52,13 +54,29 @@ def test_the_policy_splits_between_regimes_and_never_beyond_a_lone_tree():
     policy = CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=8)
     policy.rates["sampled"] = 0.3
     alone = {regime: policy.choose(100, regime).nodes for regime in ("greedy", "sampled")}
-    budgets = policy.choose_shared([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")])
+    budgets = policy.plan([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")])
     assert [b.nodes for b in budgets][3] == 0  # one token left: nothing to draft
     assert budgets[0].nodes == budgets[2].nodes and 0 < budgets[0].nodes <= alone["greedy"]
     assert budgets[1].nodes <= min(alone["sampled"], budgets[0].nodes)
     total = sum(b.nodes for b in budgets) + len(budgets) - 1
     assert all(b.predicted_t_verify == model.t_verify(total) for b in budgets)
-    assert policy.choose_shared([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")]) == budgets
+    assert policy.plan([(100, "greedy"), (100, "sampled"), (100, "greedy"), (1, "greedy")]) == budgets
+
+
+def test_a_lone_request_plans_its_own_best_tree_whatever_its_pending_read():
+    """One request in a pass gets what `choose` gives it, a pending read or not (it
+    has no pass to share: its best tree is searched whole), probes included."""
+    rng = random.Random(7)
+    for _ in range(40):
+        model = CostModel(VerifyTime(flat=rng.uniform(0.02, 0.3), base=rng.uniform(0.001, 0.05),
+                                     slope=rng.uniform(1e-4, 5e-3)),
+                          (GrowTime("m", rng.uniform(0.001, 0.03), rng.uniform(1e-4, 3e-3)),))
+        planned, chosen = (CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=12, probe_every=4)
+                           for _ in range(2))
+        for _ in range(12):
+            remaining, regime = rng.choice([1, 2, 5, 100]), rng.choice(["greedy", "sampled", "seeded"])
+            ask = TreeAsk(remaining, regime, rng.choice([0.0, 0.3]))
+            assert planned.plan([ask]) == [chosen.choose(remaining, regime)]
 
 
 def test_a_pending_prompt_read_is_priced_into_a_requests_trees():
@@ -67,17 +85,17 @@ def test_a_pending_prompt_read_is_priced_into_a_requests_trees():
     one tree, for the request cheapest to read, not one for every request."""
     model = CostModel(VerifyTime(flat=0.1, base=0.01, slope=0.001), (GrowTime("m", 0.004, 0.0002),))
     policy = CostModelBudget(model, min_nodes=0, max_nodes=64, max_depth=8, probe_every=4)
-    assert all(b.nodes > 0 for b in policy.choose_shared([(100, "greedy", 0.0)] * 4))
-    assert all(b.nodes > 0 for b in policy.choose_shared([(100, "greedy", 0.05)] * 4))  # 0.5 ms a token
+    assert all(b.nodes > 0 for b in policy.plan([(100, "greedy", 0.0)] * 4))
+    assert all(b.nodes > 0 for b in policy.plan([(100, "greedy", 0.05)] * 4))  # 0.5 ms a token
     dear = [(100, "greedy", 30.0), (100, "greedy", 20.0), (100, "greedy", 25.0)]
-    picks = [policy.choose_shared(dear) for _ in range(4)]
+    picks = [policy.plan(dear) for _ in range(4)]
     assert all(b.nodes == 0 for step in picks[:3] for b in step)
     assert [b.nodes > 0 for b in picks[3]] == [False, True, False]  # the probe: the cheapest read
     assert picks[0][0].predicted_t_grow == 0.0
     policy.rates["greedy"] = 0.02  # no tree pays, read or not
     policy._chosen.clear()
     read = [(100, "greedy", 0.0), (100, "greedy", 20.0), (100, "greedy", 0.0)]  # two have read
-    picks = [policy.choose_shared(read) for _ in range(4)]
+    picks = [policy.plan(read) for _ in range(4)]
     assert all(b.nodes == 0 for step in picks[:3] for b in step)
     assert [b.nodes > 0 for b in picks[3]] == [True, False, True]  # probes cost them growing only
 
@@ -130,10 +148,10 @@ def test_the_policy_prices_a_shared_pass_minion_once_for_the_batch():
     policy.rates["greedy"] = (0.9, 0.9)
     policy.decays["greedy"] = 0.95
     mix = [(100, "greedy", 0.0)] * 8
-    assert all(b.nodes == 0 for b in policy.choose_shared(mix))
+    assert all(b.nodes == 0 for b in policy.plan(mix))
     policy.price_batch_grows({"q3": 8, "ngram": 1})
     assert policy.grow_groups == {"q3": 8}
-    budgets = policy.choose_shared(mix)
+    budgets = policy.plan(mix)
     assert all(b.nodes > 0 for b in budgets)
     # each request's predicted grow is its own part plus an equal share of the shared passes
     depth = max(b.depth for b in budgets)

@@ -381,3 +381,19 @@ def test_an_ahead_window_closes_at_its_deadline_or_when_done():
     window.done.set()
     assert not window.allows(0.0)
     assert AheadWindow().allows(1e9) and AheadWindow().deadline == math.inf
+
+
+def test_a_decoder_without_minions_steps_under_the_cost_model_policy():
+    """No minions, no tree to ask for: every step is a plain target step, a lone one or
+    several in a pass, and the policy still learns the passes' times."""
+    from minions_local.speculation.cost import CostModel, GrowTime, VerifyTime
+    from minions_local.speculation.cost_policy import CostModelBudget
+    from minions_local.speculation.decode import Decoder
+    from minions_local.speculation.lanes import StepRequest
+
+    policy = CostModelBudget(CostModel(VerifyTime(flat=0.03, base=0.01, slope=0.001), (GrowTime("m", 0.01, 0.001),)))
+    decoder = Decoder(ChainTarget(), [], policy)
+    assert decoder.step([1, 2, 3], SamplingParams(0.0), None, 100).tokens == [10]
+    results = decoder.step_shared([StepRequest([1, 2, 3 + i], SamplingParams(0.0), None, 100, slot=i + 1)
+                                   for i in range(2)])
+    assert [r.tokens for r in results] == [[10], [10]] and len(policy._passes) == 2

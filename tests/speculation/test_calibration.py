@@ -31,9 +31,9 @@ class Clock:
 
 @pytest.fixture(autouse=True)
 def exact_clock(monkeypatch):
-    import minions_local.speculation.calibration as calibration
+    import minions_local.speculation.timing as timing
 
-    monkeypatch.setattr(calibration, "time", Clock)
+    monkeypatch.setattr(timing, "time", Clock)
 
 
 class PricedMinion(BaseMinion):

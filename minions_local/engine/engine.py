@@ -23,7 +23,7 @@ from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
-from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
+from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
 from minions_local.engine.loading import as_policy, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.calibration import calibrate_policy
@@ -56,6 +56,7 @@ class Engine:
         self._holder: _Holder | None = None
         self._cancel = threading.Event()
         self.eos_ids = _eos_ids(decoder.target, tokenizer)
+        self._notices: list[str] = []
 
     # --- construction -----------------------------------------------------------------
 
@@ -77,6 +78,8 @@ class Engine:
         threads: int | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         stream_options: dict[str, Any] | None = None,
+        rpc: Sequence[str] = (),
+        rpc_split: Sequence[float] | None = None,
         profile_name: str = "",
         memory_plan: Any = None,
     ) -> Engine:
@@ -100,7 +103,15 @@ class Engine:
         threads: torch CPU threads (None keeps torch's default).
         stream_options: passed to the layer streamer when the target is streamed
             (quant, buffers, cache_dir, layer_tiers).
+        rpc: RPC servers ("host:port", each running minions-rpc-server) that hold some of a
+            GGUF target's layers (llama.cpp's RPC backend); the minions stay here.
+        rpc_split: this machine's share of the layers, then each server's (default: in
+            proportion to the memory each reports).
         """
+        if rpc:
+            stream_options = {**(stream_options or {}),
+                              "rpc": {"servers": list(rpc), "shares": list(rpc_split) if rpc_split else None,
+                                      "timeout": (stream_options or {}).get("rpc", {}).get("timeout")}}
         if threads:
             torch.set_num_threads(threads)
         torch_dtype = resolve_dtype(dtype)
@@ -221,15 +232,17 @@ class Engine:
         prepared = self.prepare(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=stop)
         holder = _Holder()
-        events = self._run(prepared, holder)
+        events = self._run(prepared, holder, self.take_notices())
         holder.stream = weakref.ref(events)
         return events
 
-    def _run(self, prepared: PreparedRequest, holder: _Holder) -> Iterator[Event]:
+    def _run(self, prepared: PreparedRequest, holder: _Holder, notices: list[str]) -> Iterator[Event]:
         """One request through the one decode loop (engine/batch.py), on the
         conversation's slot: its caches stay for the next call."""
         from minions_local.engine.batch import run_requests
 
+        for text in notices:
+            yield NoticeEvent(text)
         with contextlib.closing(run_requests(self, [prepared], 1, conversation=True, holder=holder)) as events:
             for _, event in events:  # (closed early, it ends the request and frees the engine at once)
                 yield event
@@ -238,7 +251,9 @@ class Engine:
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                 stop: str | Sequence[str] | None = None) -> PreparedRequest:
         """Check a request's arguments (see `stream`) without running anything: what
-        `stream` decodes, and what a batch (`stream_batch`, the server) queues."""
+        `stream` decodes, and what a batch (`stream_batch`, the server) queues. A target that
+        lost an RPC server holding its layers loads again first (`take_notices` says so)."""
+        self._recover_target()
         params = request.sampling_params(temperature, top_p, top_k)
         max_new = request.max_new_tokens_arg(max_new_tokens)
         seed = request.seed_arg(seed)
@@ -255,6 +270,22 @@ class Engine:
                 f"{self.context_length} tokens for {asked}. Shorten the prompt, lower max_new_tokens (/max in "
                 f"the chat), or start a new conversation (/new).")
         return PreparedRequest(ids, params, max_new, seed, stops)
+
+    def _recover_target(self) -> None:
+        """Reload a target whose model was on a server lost mid-reply (backends/llama_remote.py)
+        now, before the request is queued, unless a generation holds the engine (its next
+        pass reloads it then, and the log says so)."""
+        recover = getattr(self.decoder.target, "recover", None)
+        if recover is None or getattr(self.decoder.target, "lost", None) is None or self._busy.locked():
+            return
+        notice = recover()
+        if notice:
+            self._notices.append(notice)
+
+    def take_notices(self) -> list[str]:
+        """What happened outside any reply since the last call (a reload and its time)."""
+        notices, self._notices = self._notices, []
+        return notices
 
     def prepare_chat(self, messages: Messages, **kwargs: Any) -> PreparedRequest:
         """`prepare` for a conversation (see `stream_chat`)."""

@@ -114,7 +114,7 @@ def _load_split(model: Any, n_ctx: int, threads: int | None, progress: Progress 
             raise ModelLoadError(f"{err}{f' llama.cpp said: {reason[-1].strip()}.' if reason else ''}") from None
     if progress:
         progress(LoadProgress("target", "ram", model.size, model.size, f"ready: {target.describe_split()}"))
-    return target, LlamaVocab(target.lib, target.model)
+    return target, LlamaVocab(target.lib, target.vocabulary_model())
 
 
 def _open(model: Any, **options: Any) -> LlamaTarget:

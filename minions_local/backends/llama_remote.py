@@ -76,6 +76,7 @@ class RemoteLlamaTarget(LlamaTarget):
         self.placement: Placement | None = None
         self.rtt: dict[str, float] = {}
         """Each server's handshake round trip (seconds)."""
+        self._vocab_model = None
         self._load(Path(path).expanduser(), self.servers)
 
     def _load(self, path: Path, servers: list[str]) -> None:
@@ -107,27 +108,12 @@ class RemoteLlamaTarget(LlamaTarget):
                     f"rpc-server binary needs GGML_CPU_TILED_MM=1 GGML_CPU_TILED_MM_FORCE=1 in its environment).")
 
     def _place(self, path: Path, servers: list[str], devices: list[list[int]]) -> Placement:
-        from minions_local.models.gguf_file import read_model
-
-        model = read_model(path)
-        tensors = model.tensors
-        layers = int(model.arch_value("block_count"))
-        sizes = [0] * layers
-        for name, t in tensors.items():
-            if name.startswith("blk.") and int(name.split(".")[1]) < layers:
-                sizes[int(name.split(".")[1])] += t.nbytes or 0
-        embed = tensors["token_embd.weight"].nbytes or 0
-        head = (tensors["output.weight"].nbytes if "output.weight" in tensors else embed) or 0
-        head += sum(t.nbytes or 0 for n, t in tensors.items() if n.startswith("output_norm"))
         if self.shares is not None:
             shares = [self.shares[HERE]] + [self.shares[s] for s in servers]
         else:
             here = device_memory(ggml().dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU))[0]
             shares = [float(here)] + [float(sum(device_memory(d)[0] for d in devs) or here) for devs in devices]
-        try:
-            return place_layers(sizes, head, servers, shares, input_bytes=embed)
-        except ValueError as err:
-            raise RemoteError(f"Cannot split {path.name} over this machine and {', '.join(servers)}: {err}.") from None
+        return plan_split(path, servers, shares)
 
     def _model_params(self, n_gpu_layers: int) -> Any:
         mparams = super()._model_params(n_gpu_layers)
@@ -193,8 +179,12 @@ class RemoteLlamaTarget(LlamaTarget):
         if not reachable:
             raise RemoteError(f"Cannot reload {self.path.name}: no RPC server answers. {' '.join(why)} Start them "
                               f"again, then send the request again.")
-        self._load(self.path, reachable)
-        self.lost = None
+        lost, self.lost = self.lost, None  # (the load check's passes must not recover again)
+        try:
+            self._load(self.path, reachable)
+        except BaseException:
+            self.lost = lost  # still unusable: the next request tries again
+            raise
         seconds = time.perf_counter() - start
         missing = [s for s in self.servers if s not in reachable]
         notice = (f"Reloaded {self.path.name} over this machine and {', '.join(reachable)} in {seconds:.1f} s, after "
@@ -210,6 +200,18 @@ class RemoteLlamaTarget(LlamaTarget):
             return
         super().reset()
 
+    def vocabulary_model(self) -> Any:
+        """The file's vocabulary alone (llama.cpp's `vocab_only`: no weights, nothing on a
+        server), for the tokenizer: a reload frees the target's own model, so a tokenizer on
+        it would read freed memory. Loaded once; it lives as long as the process."""
+        if self._vocab_model is None:
+            params = self.lib.llama_model_default_params()
+            params.vocab_only = True
+            self._vocab_model = self.lib.llama_model_load_from_file(str(self.path).encode(), params)
+            if not self._vocab_model:
+                raise ModelLoadError(f"llama.cpp could not read the vocabulary of {self.path}.")
+        return self._vocab_model
+
     def network_counters(self) -> tuple[int, int, int]:
         """Round trips, bytes sent and received over every server since the process began."""
         counts = [r.counters() for r in self.relays]
@@ -217,6 +219,27 @@ class RemoteLlamaTarget(LlamaTarget):
 
     def describe_split(self) -> str:
         return self.placement.describe() if self.placement is not None else ""
+
+
+def plan_split(path: Path, servers: list[str], shares: list[float]) -> Placement:
+    """Where the layers of the GGUF at `path` go over this machine and `servers` for these
+    shares (this machine's first); read from the file's header alone (`--plan` uses it)."""
+    from minions_local.models.gguf_file import read_model
+
+    model = read_model(path)
+    tensors = model.tensors
+    layers = int(model.arch_value("block_count"))
+    sizes = [0] * layers
+    for name, t in tensors.items():
+        if name.startswith("blk.") and int(name.split(".")[1]) < layers:
+            sizes[int(name.split(".")[1])] += t.nbytes or 0
+    embed = tensors["token_embd.weight"].nbytes or 0
+    head = (tensors["output.weight"].nbytes if "output.weight" in tensors else embed) or 0
+    head += sum(t.nbytes or 0 for n, t in tensors.items() if n.startswith("output_norm"))
+    try:
+        return place_layers(sizes, head, servers, shares, input_bytes=embed)
+    except ValueError as err:
+        raise RemoteError(f"Cannot split {path.name} over this machine and {', '.join(servers)}: {err}.") from None
 
 
 def _per_device(placement: Placement, devices: list[list[int]]) -> list[float]:

@@ -39,7 +39,7 @@ PROTOCOLS = {"0.3.36": (7, 0, 0)}
 """The RPC protocol (RPC_PROTO_*_VERSION in ggml-rpc.h) of each llama-cpp-python release
 whose vendored llama.cpp this binding was checked against: commands, message layouts and
 answers below are that version's."""
-CMD_HELLO, CMD_DEVICE_COUNT = 14, 15
+CMD_GET_DEVICE_MEMORY, CMD_HELLO, CMD_DEVICE_COUNT = 11, 14, 15
 CONN_CAPS = 24
 """RPC_CONN_CAPS_SIZE: transport capabilities in HELLO (zero: plain TCP, no RDMA upgrade)."""
 HELLO_ANSWER = 4 + CONN_CAPS
@@ -69,6 +69,8 @@ class ServerInfo:
     devices: int
     rtt: float
     """Median seconds of a request answered at once (DEVICE_COUNT), connection made."""
+    free_memory: int = 0
+    """Bytes its devices report free (a CPU device: its machine's RAM)."""
 
 
 def protocol() -> tuple[int, int, int]:
@@ -150,6 +152,12 @@ def handshake(endpoint: str, timeout: float = 10.0, *, probes: int = 5) -> Serve
                     raise RemoteError(_foreign(endpoint, ours, "a DEVICE_COUNT answer of another size"))
                 devices = struct.unpack("<I", recv_exact(sock, 4))[0]
                 times.append(time.perf_counter() - start)
+            free = 0
+            for device in range(devices):
+                sock.sendall(bytes([CMD_GET_DEVICE_MEMORY]) + struct.pack("<QI", 4, device))
+                if struct.unpack("<Q", recv_exact(sock, 8))[0] != 16:
+                    raise RemoteError(_foreign(endpoint, ours, "a GET_DEVICE_MEMORY answer of another size"))
+                free += struct.unpack("<QQ", recv_exact(sock, 16))[0]
         except TimeoutError:
             raise RemoteError(f"The RPC server {endpoint} accepted the connection but did not answer within "
                               f"{timeout:.0f} s. An rpc-server serves one client at a time: is another program "
@@ -158,7 +166,7 @@ def handshake(endpoint: str, timeout: float = 10.0, *, probes: int = 5) -> Serve
             raise RemoteError(_foreign(endpoint, ours, "a closed connection at the handshake")) from None
     if devices == 0:
         raise RemoteError(f"The RPC server {endpoint} offers no device to compute on.")
-    return ServerInfo(endpoint, version, devices, statistics.median(times))
+    return ServerInfo(endpoint, version, devices, statistics.median(times), free)
 
 
 def _foreign(endpoint: str, ours: tuple[int, int, int], what: str) -> str:

@@ -131,7 +131,7 @@ class Relay:
                         answer = self._forward(upstream, head[:1] + struct.pack("<Q", len(payload)), payload, cmd,
                                                size)
                     except TimeoutError:
-                        self.lose(f"no answer for {self.timeout:.0f} s")
+                        self.lose(f"no answer for {self.timeout:g} s")
                     except (ConnectionError, OSError) as err:
                         self.lose(f"the connection broke ({_reason(err)})")
                     except ValueError as err:

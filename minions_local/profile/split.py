@@ -16,6 +16,7 @@ Pure arithmetic on the model's layer sizes: `--plan` uses it with no model loade
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 HERE = "this machine"
 
@@ -106,3 +107,42 @@ def place_layers(layer_bytes: list[int], head_bytes: int, servers: list[str], sh
         sizes.append(sum(layer_bytes[start:start + c]))
         start += c
     return Placement((HERE, *servers), tuple(counts), tuple(sizes), head_bytes, input_bytes)
+
+
+def add_rpc_arguments(group: Any) -> None:
+    """--rpc and --rpc-split on a command line (minions-chat, minions-serve): the profile's
+    [target] rpc and rpc_split, checked as a profile's are (planning/fitting.with_rpc)."""
+    group.add_argument("--rpc", type=_servers, metavar="HOST:PORT,...",
+                       help="split the GGUF target's layers over these minions-rpc-servers too (a model larger "
+                            "than this machine); the minions stay here")
+    group.add_argument("--rpc-split", type=_shares, metavar="HERE,S1,...",
+                       help="this machine's share of the layers, then each server's (e.g. 0,1,1; default: in "
+                            "proportion to the memory each has)")
+
+
+def rpc_overrides(args: Any) -> dict[str, Any]:
+    """Engine.from_profile's keywords for what --rpc / --rpc-split gave (nothing otherwise)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "rpc", None):
+        out["rpc"] = args.rpc
+    if getattr(args, "rpc_split", None):
+        out["rpc_split"] = args.rpc_split
+    return out
+
+
+def _servers(text: str) -> list[str]:
+    import argparse
+
+    servers = [s.strip() for s in text.split(",") if s.strip()]
+    if not servers:
+        raise argparse.ArgumentTypeError("name at least one server, host:port")
+    return servers
+
+
+def _shares(text: str) -> list[float]:
+    import argparse
+
+    try:
+        return [float(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not numbers separated by commas (e.g. 0,1,1)") from None

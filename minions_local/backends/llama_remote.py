@@ -150,7 +150,11 @@ class RemoteLlamaTarget(LlamaTarget):
 
     def _after_call(self) -> None:
         """After each llama_decode (RowCalls.after_call): a pass that ran while a server was
-        lost computed on its relay's stand-in answers, so it ends in RemoteLost."""
+        lost computed on its relay's stand-in answers, so it ends in RemoteLost. llama_decode
+        returns with the servers' answers still queued (ggml's RPC client is asynchronous;
+        the logits are fetched when first read): wait for them first, or a loss during this
+        pass would be seen only after its stand-in logits were used."""
+        self.lib.llama_synchronize(self.ctx)
         self._check("a pass")
 
     def _settle(self) -> None:

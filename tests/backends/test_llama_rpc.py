@@ -137,9 +137,6 @@ def test_a_server_killed_mid_reply_ends_it_cleanly_and_the_next_request_reloads(
                 tokens += isinstance(event, TokenEvent)
                 if tokens == 3:
                     own[1].kill()
-            import sys
-            t = engine.decoder.target
-            print("DEBUG", tokens, t.describe_split(), [(r.endpoint, r.address, r.lost, r.counters()) for r in t.relays], [s.proc.poll() for s in own], file=sys.stderr)
         assert tokens == 3
         events = list(engine.stream_chat(QUESTION, max_new_tokens=20))
         notices = [e.text for e in events if isinstance(e, NoticeEvent)]

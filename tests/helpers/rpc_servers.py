@@ -40,7 +40,7 @@ class Server:
         self.endpoint = f"127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "minions_local.server.rpc_cli", "--port", str(self.port), "--threads", "1"]
         args += ["--cache", str(cache)] if cache is not None else ["--no-cache"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         from minions_local.backends.llama_rpc import RemoteError, handshake
@@ -61,6 +61,17 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """A test process that crashes leaves no server behind (Linux: PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def start_servers(n: int, cache: Path | None = None) -> list[Server]:

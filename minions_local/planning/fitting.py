@@ -80,7 +80,7 @@ def with_rpc(profile: Profile, rpc: Iterable[str] | None, rpc_split: Iterable[fl
     try:
         target = Target.model_validate({**profile.target.model_dump(), **update})
     except ValidationError as err:
-        raise ProfileError(f"--rpc: {err.errors()[0]['msg']}") from None
+        raise ProfileError(f"--rpc: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     return profile.model_copy(update={"target": target})
 
 

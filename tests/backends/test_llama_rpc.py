@@ -153,3 +153,21 @@ def test_a_server_killed_mid_reply_ends_it_cleanly_and_the_next_request_reloads(
     finally:
         for s in own:
             s.kill()
+
+
+def test_plan_shows_the_split_and_each_round_trip(model, servers):
+    import io
+
+    from minions_local.tui.cli import main
+
+    down = f"127.0.0.1:{free_port()}"
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["--target", model, "--rpc", ",".join([*servers, down]), "--rpc-split", "1,1,1,1", "--plan"],
+                stdout=out, stderr=err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert "Split over 3 RPC servers" in text and f"{down}: not reachable now (Nothing listens" in text
+    assert all(f"{s}: protocol 7.0.0" in text and "round trip" in text for s in servers)
+    assert "layers (rpc_split): this machine: layers 0-7" in text and f"{down}: layers 23-29 + the output head" in text
+    assert "network per pass: 3 round trips" in text and f"({down} not measured)" in text
+    assert main(["--target", model, "--rpc", "localhost", "--plan"], stdout=out, stderr=err) == 1
+    assert "--rpc: rpc server 'localhost' is not host:port" in err.getvalue()

@@ -55,6 +55,10 @@ class RemoteLlamaTarget(LlamaTarget):
             '' when its rows are exact.
     """
 
+    new_shapes_cost_more = True
+    """A pass of a row count not seen before asks each server allocation sizes (ggml's RPC
+    client caches them): the cost model's calibration times each size's second pass."""
+
     def __init__(self, path: str | os.PathLike[str], *, servers: Sequence[str], shares: Sequence[float] | None = None,
                  timeout: float = DEFAULT_TIMEOUT, check_rows: Callable[[LlamaTarget], str] | None = None,
                  **options: Any) -> None:

@@ -175,8 +175,9 @@ class RemoteLlamaTarget(LlamaTarget):
         start = time.perf_counter()
         gone = [r.endpoint for r in self.relays if r.lost is not None]
         self.close()
-        for state in self.parked_states():  # every slot's cells were in the freed context
+        for state in [*self.parked_states(), self.__dict__]:  # every slot's cells were in the freed context
             state.update(self.fresh_slot_state())
+        self._pending = {}
         reachable, why = [], []
         for server in self.servers:
             try:
@@ -201,6 +202,10 @@ class RemoteLlamaTarget(LlamaTarget):
         self.notices.append(notice)
         log.warning(notice)
         return notice
+
+    def release_slot_state(self, state: dict) -> None:
+        if self.ctx:  # (after a failed reload there is no context to free cells in)
+            super().release_slot_state(state)
 
     def reset(self) -> None:
         if self.lost is not None:  # nothing to free in a context that is gone; the next use reloads

@@ -150,6 +150,9 @@ def test_a_server_killed_mid_reply_ends_it_cleanly_and_the_next_request_reloads(
             engine.chat(story, max_new_tokens=20)
         with pytest.raises(RemoteError, match="Cannot reload .*: no RPC server answers"):
             engine.chat(QUESTION, max_new_tokens=5)
+        engine.reset()  # nothing left to free: still the same clean error
+        with pytest.raises(RemoteError, match="no RPC server answers"):
+            engine.chat(QUESTION, max_new_tokens=5)
     finally:
         for s in own:
             s.kill()

@@ -8,8 +8,8 @@ and 5 ms of network delay added, and against one machine streaming the file from
 The servers are minions-rpc-servers (server/rpc_cli.py), each in a cgroup memory group
 holding half the file and some room to compute, so the model fits only across both and
 nothing streams; they hold every layer (--rpc-split 0,1,1: this machine keeps the
-embeddings and the minions). Every method goes through the same servers (llama.cpp's
-programs take `--rpc` and `-ngl 99 -ts 1,1`). The delay is a proxy in front of each
+embeddings and the minions). llama.cpp's programs (`--rpc`, `-ngl 99 -ts 1,1`, `--poll 0`)
+run over the same split on its own `rpc-server`s, without the kernel switches ours need. The delay is a proxy in front of each
 server (benchmarks/delay_proxy.py: `delay` each way, so a round trip costs 2 * delay more),
 not `tc netem`, which would slow every program's loopback on a shared box.
 
@@ -48,9 +48,12 @@ gets half the file plus this, as the client of the split has it beside its minio
 
 
 class Servers:
-    """2 minions-rpc-servers on loopback, each in a memory group of half `model` + room."""
+    """2 RPC servers on loopback, each in a memory group of half `model` + room: ours
+    (minions-rpc-server, the kernel switches that keep rows exact), or with `stock` the
+    llama.cpp build's own `rpc-server` without them, for llama.cpp's runs (the switches
+    make its lone rows 2-3x slower; measured here: 575 against 208 ms a token)."""
 
-    def __init__(self, model: Path, threads: int, cache: Path) -> None:
+    def __init__(self, model: Path, threads: int, cache: Path, stock: Path | None = None) -> None:
         self.procs, self.groups, self.endpoints, self.note = [], [], [], ""
         limit = int(model.stat().st_size / 2 + SERVER_ROOM)
         for i in range(2):
@@ -61,9 +64,14 @@ class Servers:
             except NoMemoryGroup as err:
                 self.note = f"servers without a memory limit: {err}"
             port = _free_port()
-            argv = [sys.executable, "-m", "minions_local.server.rpc_cli", "--port", str(port), "--threads",
-                    str(threads), "--cache", str(cache / str(i))]
-            self.procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env = {k: v for k, v in os.environ.items() if not (stock and k.startswith("GGML_CPU_TILED_MM"))}
+            if stock:
+                argv = [str(stock), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads), "-c"]
+                env["LLAMA_CACHE"] = str(cache / f"stock{i}")
+            else:
+                argv = [sys.executable, "-m", "minions_local.server.rpc_cli", "--port", str(port), "--threads",
+                        str(threads), "--cache", str(cache / str(i))]
+            self.procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                                                preexec_fn=(lambda g=group: g.add(0)) if group else None))
             self.groups.append(group)
             self.endpoints.append(f"127.0.0.1:{port}")
@@ -103,8 +111,11 @@ def llama_rpc(run: ToolRun, endpoints: list[str]) -> dict:
 
 
 def rpc_options(endpoints: list[str], draft: bool) -> list[str]:
-    """llama.cpp's options for every layer on the servers, in halves (the draft stays here)."""
-    return ["--rpc", ",".join(endpoints), "-ngl", "99", "-ts", "1,1"] + (["-ngld", "0"] if draft else [])
+    """llama.cpp's options for every layer on the servers, in halves (the draft stays here).
+    `--poll 0`: its threads otherwise spin waiting for work (level 50) while the servers
+    compute on the same 2 cores, which made it 50x slower here than the servers allow."""
+    return ["--rpc", ",".join(endpoints), "-ngl", "99", "-ts", "1,1", "--poll", "0"] + (
+        ["-ngld", "0", "--poll-draft", "0"] if draft else [])
 
 
 def ours_split(files: dict, convs: list, args, endpoints: list[str], batch: str = "") -> dict:
@@ -138,26 +149,29 @@ def main() -> None:
     size = target.stat().st_size
     print(f"target {target.name} ({size / GB:.2f} GB), draft {files['draft'].name}", file=sys.stderr)
     results: dict = {}
-    servers = Servers(target, args.threads, cache_dir() / "rpc-cache")
-    try:
-        for delay in [float(d) for d in args.delays.split(",")]:
-            proxies = [DelayProxy(e, delay / 1000) for e in servers.endpoints] if delay else []
-            endpoints = [p.endpoint for p in proxies] or servers.endpoints
-            row = results[f"{delay:g}ms"] = {}
-            batch = args.batch if delay in (0, 5) else ""
-            row["ours"] = ours_split(files, convs, args, endpoints, batch)
-            row["llama.cpp rpc"] = llama_rpc(completion(
-                tools, target, text, max_new=args.max_new, threads=args.threads, ctx=2048, repack=False, group=None,
-                extra=rpc_options(endpoints, False)), endpoints)
-            row["llama.cpp spec rpc"] = llama_rpc(speculative(
-                tools, target, files["draft"], text, max_new=args.max_new, threads=args.threads, ctx=2048,
-                repack=False, group=None, extra=rpc_options(endpoints, True)), endpoints)
-            for p in proxies:
-                p.close()
-            print(f"{delay:g} ms: " + ", ".join(f"{k} {v.get('tok_s', 0):.2f} tok/s" for k, v in row.items()),
-                  file=sys.stderr)
-    finally:
-        servers.close()
+    delays = [float(d) for d in args.delays.split(",")]
+    for stock in (None, tools / "rpc-server"):  # ours on our servers, then llama.cpp on its own
+        servers = Servers(target, args.threads, cache_dir() / "rpc-cache", stock)
+        try:
+            for delay in delays:
+                proxies = [DelayProxy(e, delay / 1000) for e in servers.endpoints] if delay else []
+                endpoints = [p.endpoint for p in proxies] or servers.endpoints
+                row = results.setdefault(f"{delay:g}ms", {})
+                if stock is None:
+                    row["ours"] = ours_split(files, convs, args, endpoints, args.batch if delay in (0, 5) else "")
+                else:
+                    row["llama.cpp rpc"] = llama_rpc(completion(
+                        tools, target, text, max_new=args.max_new, threads=args.threads, ctx=2048, repack=False,
+                        group=None, extra=rpc_options(endpoints, False)), endpoints)
+                    row["llama.cpp spec rpc"] = llama_rpc(speculative(
+                        tools, target, files["draft"], text, max_new=args.max_new, threads=args.threads, ctx=2048,
+                        repack=False, group=None, extra=rpc_options(endpoints, True)), endpoints)
+                for p in proxies:
+                    p.close()
+                print(f"{delay:g} ms: " + ", ".join(f"{k} {v.get('tok_s', 0):.2f} tok/s" for k, v in row.items()),
+                      file=sys.stderr)
+        finally:
+            servers.close()
     results["one machine"] = ours(target, [str(files["draft"]), "ngram"], convs, args.max_new,
                                   Limit((size / 2 + ENGINE_ROOM) / GB, [target]))
     report(results, servers, args, size)

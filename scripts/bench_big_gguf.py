@@ -142,13 +142,13 @@ class Limit:
 
 
 def ours(target: Path, minions: list[str], conversations: list, max_new: int, limit: Limit,
-         tree_pass: int = 0, kernel: str = "auto") -> dict:
+         tree_pass: int = 0, kernel: str = "auto", extra_args: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prompts, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         prompts.write_text(json.dumps(conversations))
         argv = [sys.executable, "-m", "benchmarks.engine_child", "--target", str(target), "--minions",
                 ",".join(minions), "--prompts", str(prompts), "--max-new", str(max_new), "--out", str(out),
-                "--tree-pass", str(tree_pass), "--kernel", kernel]
+                "--tree-pass", str(tree_pass), "--kernel", kernel, *extra_args]
         # A cache of its own: every run loads the file as new (its exactness check runs,
         # and is the cost model's timing), which is the load a newcomer's first chat pays.
         cache = Path(tmp) / "cache"

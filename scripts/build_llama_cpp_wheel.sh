@@ -17,6 +17,11 @@
 #  * llama.cpp's CMakeLists forces its `llama-common` helper library on; the Python
 #    package never uses it and it is half the build time. A CMake project-include file
 #    switches it off (written below, nothing is downloaded).
+#  * ggml's RPC backend is built in (-DGGML_RPC=ON, libggml-rpc.so beside the others): a
+#    target's layers split over other machines' servers and `minions-rpc-server` is this
+#    same library (backends/llama_rpc.py). Its RDMA transport stays off: it would link
+#    libibverbs where the build machine has it, and the client relays every connection
+#    through a socket of its own (TCP) to put timeouts on it.
 #
 # Usage: scripts/build_llama_cpp_wheel.sh [VERSION]
 # Env:   MINIONS_WHEEL_CACHE  cache folder (default ~/.cache/minions-local/wheels)
@@ -35,7 +40,8 @@ CACHE_ROOT="${MINIONS_WHEEL_CACHE:-$HOME/.cache/minions-local/wheels}"
 source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
 
 # The flags are part of the cache key: a wheel built with other flags is a different wheel.
-FLAGS_TAG="$CPU_TAG-nocommon"
+RPC_FLAGS="-DGGML_RPC=ON -DGGML_RPC_RDMA=OFF"
+FLAGS_TAG="$CPU_TAG-nocommon-rpc"
 if [ -n "${EXTRA_CMAKE_ARGS:-}" ]; then
     FLAGS_TAG="$FLAGS_TAG-$(printf '%s' "$EXTRA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
 fi
@@ -54,7 +60,7 @@ set(LLAMA_BUILD_COMMON OFF)
 EOF
     echo "building llama-cpp-python $VERSION into $CACHE_DIR (takes a few minutes)" >&2
     start=$(date +%s)
-    CMAKE_ARGS="-DGGML_NATIVE=OFF $CPU_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$include_file ${EXTRA_CMAKE_ARGS:-}" \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF $CPU_FLAGS $RPC_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$include_file ${EXTRA_CMAKE_ARGS:-}" \
         "$PYTHON" -m pip wheel --no-cache-dir --no-deps "${LLAMA_CPP_SOURCE:-llama-cpp-python==$VERSION}" -w "$CACHE_DIR"
     echo "built in $(( $(date +%s) - start )) s" >&2
     wheels=("$CACHE_DIR"/llama_cpp_python-"$VERSION"-*.whl)

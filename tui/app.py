@@ -348,6 +348,7 @@ class ChatApp(SlashCommands, KeyActions, App[None]):
             on_text=lambda text: self.post_message(ReplyDelta(text)),
             on_step=lambda stats, tree: self.post_message(StatsUpdated(stats, tree)),
             cancelled=lambda: worker.is_cancelled,
+            on_notice=lambda text: self.call_from_thread(self.notify, text, title="Model reloaded", timeout=20),
         )
         try:
             memory: dict[str, int] | None = dict(engine.memory_by_tier())

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from minions_local.core.errors import MinionsError
-from minions_local.core.events import DoneEvent, Generation, LoadProgress, StepEvent, TokenEvent, TreeSnapshot
+from minions_local.core.events import (DoneEvent, Generation, LoadProgress, NoticeEvent, StepEvent, TokenEvent,
+                                      TreeSnapshot)
 from minions_local.tui.stats import GenerationStats
 
 log = logging.getLogger("minions_local.tui")
@@ -153,6 +154,7 @@ def drive(
     on_text: Callable[[str], None],
     on_step: Callable[[GenerationStats, TreeSnapshot | None], None] = lambda s, t: None,
     cancelled: Callable[[], bool] = lambda: False,
+    on_notice: Callable[[str], None] = lambda text: None,
 ) -> Outcome:
     """Consume one generation; stop (closing the generator) as soon as `cancelled()`.
 
@@ -167,6 +169,8 @@ def drive(
                 if event.text:
                     parts.append(event.text)
                     on_text(event.text)
+            elif isinstance(event, NoticeEvent):  # e.g. the target reloaded after losing an RPC server
+                on_notice(event.text)
             elif isinstance(event, StepEvent):
                 stats.add(event.record)
                 on_step(stats.copy(), event.record.tree)

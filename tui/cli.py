@@ -7,6 +7,7 @@ import sys
 from typing import Any, TextIO
 
 from minions_local.core.errors import MinionsError
+from minions_local.profile.split import add_rpc_arguments, rpc_overrides
 from minions_local.tui.bridge import DEFAULT_PROFILE, EngineFactory, load_engine, overrides_from
 
 DESCRIPTION = """\
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--target", metavar="PATH", help="use this target checkpoint instead of the profile's")
     model.add_argument("--minion", metavar="PATH", action="append", dest="minions",
                        help="use this minion instead of the profile's (repeat for several)")
+    add_rpc_arguments(model)
     model.add_argument("--plan", action="store_true",
                        help="print the profile's memory plan and exit (loads no weights)")
     model.add_argument("--list-profiles", action="store_true", help="list the shipped profiles and exit")
@@ -66,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(kind: str, profile: str, out: TextIO, err: TextIO, *, target: str | None = None,
-            minions: list[str] | None = None) -> int:
+            minions: list[str] | None = None, rpc: dict[str, Any] | None = None) -> int:
     """--plan and --list-profiles: the profile package's report, no weights loaded
     (--target and --minion override the profile's models in the plan, as in the chat)."""
     from minions_local.planning import cli
 
     try:
         if kind == "plan":
-            out.write(cli.plan_report(profile, target=target, minions=minions).rstrip("\n") + "\n")
+            out.write(cli.plan_report(profile, target=target, minions=minions, **(rpc or {})).rstrip("\n") + "\n")
         else:
             out.write("\n".join(cli.available_profiles()) + "\n")
     except MinionsError as error:
@@ -109,14 +111,15 @@ def main(
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     args = build_parser().parse_args(argv)
     if args.plan:
-        return _report("plan", args.profile, stdout, stderr, target=args.target, minions=args.minions)
+        return _report("plan", args.profile, stdout, stderr, target=args.target, minions=args.minions,
+                       rpc=rpc_overrides(args))
     if args.list_profiles:
         return _report("list-profiles", args.profile, stdout, stderr)
 
     from minions_local.tui.store import Conversation, ConversationStore
 
     store = store or ConversationStore()
-    overrides = overrides_from(args.target, args.minions)
+    overrides = {**overrides_from(args.target, args.minions), **rpc_overrides(args)}
     if args.plain or not stdin.isatty() or not stdout.isatty():
         from minions_local.tui.plain import PlainIO, run_plain
 

@@ -192,7 +192,8 @@ def _generate(engine: Any, start: Callable[[], Any], io: PlainIO) -> Outcome:
     box: list[Outcome] = []
     worker = threading.Thread(
         target=lambda: box.append(
-            drive(deferred(start), on_text=io.out, cancelled=lambda: cancel.is_set() or io.closed)
+            drive(deferred(start), on_text=io.out, cancelled=lambda: cancel.is_set() or io.closed,
+                  on_notice=lambda text: io.err(f"minions-chat: {text}"))
         ),
         name="minions-generate",
         daemon=True,

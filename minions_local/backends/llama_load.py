@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minions_local.backends.llama_context import log_lines
+from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
 from minions_local.backends.llama_stream import PageCacheStreamer, layer_spans
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.backends.llama_vocab import LlamaVocab
@@ -38,14 +39,17 @@ CHECK_VERSION = 3
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
                       layer_tiers: list[str] | None = None, window: int = 2,
-                      progress: Progress | None = None) -> tuple[LlamaTarget, LlamaVocab]:
+                      progress: Progress | None = None, rpc: dict[str, Any] | None = None
+                      ) -> tuple[LlamaTarget, LlamaVocab]:
     """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
     to do when the file is not a usable model or its rows would not be exact here.
 
     path: the model's file, or any shard of a split one (llama.cpp is given the first and
     maps every shard; the streamer steers all of them).
     layer_tiers: the memory plan's tier per decoder layer; layers not on 'device' stream
-    through the page cache, `window` layers ahead of the pass (llama_stream.py)."""
+    through the page cache, `window` layers ahead of the pass (llama_stream.py).
+    rpc: the layers split over RPC servers (llama_remote.py): {"servers": ["host:port", ...],
+    "shares": [this machine, server, ...] or None, "timeout": seconds}; nothing streams."""
     from minions_local.models.gguf_file import read_model
 
     model = read_model(path)  # a truncated, corrupt or incomplete model is named here, before llama.cpp reads it
@@ -54,6 +58,8 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
     train = _metadata_int(model.metadata, f"{model.architecture}.context_length")
     n_ctx = min(context_tokens, train) if train else context_tokens
+    if rpc and rpc.get("servers"):
+        return _load_split(model, n_ctx, threads, progress, rpc)
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
         layers = len(layer_tiers)
@@ -61,12 +67,7 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
                                      resident={i for i, t in enumerate(layer_tiers) if t == "device"}, window=window)
     target = _open(model, n_ctx=llama_cache_cells(n_ctx), threads=threads, streamer=streamer)
     try:
-        verdict = _cached_verdict(model.paths)
-        if verdict is None:
-            if progress:
-                progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
-            verdict = rows_differ(target)
-            _store_verdict(model.paths, verdict)
+        verdict = _checked(target, model.paths, progress)
         if verdict:
             raise ModelLoadError(
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
@@ -78,6 +79,42 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if progress:
         progress(LoadProgress("target", "ram", total, total, "ready"))
     return target, LlamaVocab(target.lib, target.model)
+
+
+def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, split: str = "") -> str:
+    """rows_differ's verdict on the target, from the cache when this file, build, CPU (and
+    split over servers) were checked before."""
+    verdict = _cached_verdict(paths, split)
+    if verdict is None:
+        if progress:
+            total = sum(p.stat().st_size for p in paths)
+            progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
+        verdict = rows_differ(target)
+        _store_verdict(paths, verdict, split)
+    return verdict
+
+
+def _load_split(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
+                rpc: dict[str, Any]) -> tuple[LlamaTarget, LlamaVocab]:
+    """The target split over this machine and RPC servers, its rows checked through the split."""
+    from minions_local.backends.llama_remote import RemoteLlamaTarget
+
+    def check(target: Any) -> str:
+        return _checked(target, model.paths, progress, f"{target.servers}|{target.placement.layers}")
+
+    if progress:
+        progress(LoadProgress("target", "ram", 0, model.size, f"loading over {', '.join(rpc['servers'])}"))
+    with log_lines(hold_errors=True) as lines:
+        try:
+            target = RemoteLlamaTarget(model.path, servers=rpc["servers"], shares=rpc.get("shares"),
+                                       timeout=rpc.get("timeout") or DEFAULT_TIMEOUT, check_rows=check,
+                                       n_ctx=llama_cache_cells(n_ctx), threads=threads)
+        except ModelLoadError as err:
+            reason = re.findall(r"error loading model: (.*)", "".join(lines))
+            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason[-1].strip()}.' if reason else ''}") from None
+    if progress:
+        progress(LoadProgress("target", "ram", model.size, model.size, f"ready: {target.describe_split()}"))
+    return target, LlamaVocab(target.lib, target.vocabulary_model())
 
 
 def _open(model: Any, **options: Any) -> LlamaTarget:
@@ -145,7 +182,7 @@ def _type_counts(file) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _verdict_key(paths: list[Path]) -> str:
+def _verdict_key(paths: list[Path], split: str = "") -> str:
     import platform
 
     import llama_cpp
@@ -159,6 +196,8 @@ def _verdict_key(paths: list[Path]) -> str:
     except (OSError, StopIteration):
         pass
     raw = f"{CHECK_VERSION}|{files}|{llama_cpp.__version__}|{build}|{platform.machine()}|{cpu}"
+    if split:  # the servers' kernels are checked too: a split is its own verdict
+        raw += f"|{split}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -168,20 +207,20 @@ def _verdicts_file() -> Path:
     return cache_root() / "llama-row-checks.json"
 
 
-def _cached_verdict(paths: list[Path]) -> str | None:
+def _cached_verdict(paths: list[Path], split: str = "") -> str | None:
     try:
-        return json.loads(_verdicts_file().read_text()).get(_verdict_key(paths))
+        return json.loads(_verdicts_file().read_text()).get(_verdict_key(paths, split))
     except (OSError, ValueError):
         return None
 
 
-def _store_verdict(paths: list[Path], verdict: str) -> None:
+def _store_verdict(paths: list[Path], verdict: str, split: str = "") -> None:
     file = _verdicts_file()
     try:
         known = json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
         known = {}
-    known[_verdict_key(paths)] = verdict
+    known[_verdict_key(paths, split)] = verdict
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")

@@ -81,6 +81,9 @@ class LlamaTarget(SlotStates):
     """
 
     shares_passes = True
+    new_shapes_cost_more = False
+    """Whether a pass of a shape not run before costs more than the next of that shape
+    (over RPC: the servers are asked allocation sizes, llama_remote.py)."""
     SLOT_FIELDS = ("_seq", "cached")
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
@@ -91,10 +94,7 @@ class LlamaTarget(SlotStates):
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self.lib = lib = import_llama_cpp()
         self.model = self.ctx = self.batch = None  # so close() works after a failed load
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = n_gpu_layers
-        mparams.use_extra_bufts = False  # repacked kernels multiply rows in groups: not row-invariant
-        self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), self._model_params(n_gpu_layers))
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "
                                  f"architecture this llama.cpp knows?")
@@ -148,6 +148,13 @@ class LlamaTarget(SlotStates):
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())
+
+    def _model_params(self, n_gpu_layers: int) -> Any:
+        """How llama.cpp loads the model (a split over RPC servers adds them: llama_remote.py)."""
+        mparams = self.lib.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_extra_bufts = False  # repacked kernels multiply rows in groups: not row-invariant
+        return mparams
 
     def _context_params(self, n_ctx: int, kv_type: str) -> Any:
         lib = self.lib

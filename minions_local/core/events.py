@@ -157,7 +157,15 @@ class DoneEvent:
     generation: Generation
 
 
-Event = TokenEvent | StepEvent | DoneEvent
+@dataclass(slots=True)
+class NoticeEvent:
+    """Something to tell the user that is no part of the reply, before it: the target was
+    loaded again after an RPC server holding its layers was lost, and how long that took."""
+
+    text: str
+
+
+Event = TokenEvent | StepEvent | DoneEvent | NoticeEvent
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from minions_local.backends.hf import resolve_dtype
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
-from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress
+from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
 from minions_local.engine.loading import as_policy, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
 from minions_local.speculation.calibration import calibrate_policy
@@ -57,6 +57,7 @@ class Engine:
         self._holder: _Holder | None = None
         self._cancel = threading.Event()
         self.eos_ids = _eos_ids(decoder.target, tokenizer)
+        self._notices: list[str] = []
 
     # --- construction -----------------------------------------------------------------
 
@@ -78,6 +79,8 @@ class Engine:
         threads: int | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
         stream_options: dict[str, Any] | None = None,
+        rpc: Sequence[str] = (),
+        rpc_split: Sequence[float] | None = None,
         profile_name: str = "",
         memory_plan: Any = None,
     ) -> Engine:
@@ -101,7 +104,15 @@ class Engine:
         threads: torch CPU threads (None keeps torch's default).
         stream_options: passed to the layer streamer when the target is streamed
             (quant, buffers, cache_dir, layer_tiers).
+        rpc: RPC servers ("host:port", each running minions-rpc-server) that hold some of a
+            GGUF target's layers (llama.cpp's RPC backend); the minions stay here.
+        rpc_split: this machine's share of the layers, then each server's (default: in
+            proportion to the memory each reports).
         """
+        if rpc:
+            stream_options = {**(stream_options or {}),
+                              "rpc": {"servers": list(rpc), "shares": list(rpc_split) if rpc_split else None,
+                                      "timeout": (stream_options or {}).get("rpc", {}).get("timeout")}}
         if threads:
             torch.set_num_threads(threads)
         torch_dtype = resolve_dtype(dtype)
@@ -119,9 +130,12 @@ class Engine:
         # The minions' and the target's real price per pass.
         # A llama.cpp target that checked its rows at load timed passes of several sizes
         # doing so: at 8B under a memory limit each pass is seconds, none is run again.
+        # Not over RPC: there each new shape's first pass asks the servers questions.
         on_llama = isinstance(target_model, LlamaTarget)
+        shapes_dear = on_llama and target_model.new_shapes_cost_more
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
-                         target_warm_up=not on_llama, target_timed=target_model.first_passes if on_llama else ())
+                         target_warm_up=not on_llama, target_repeats=2 if shapes_dear else 1,
+                         target_timed=target_model.first_passes if on_llama and not shapes_dear else ())
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
@@ -228,9 +242,11 @@ class Engine:
         from minions_local.engine.batch import run_requests
 
         # One request through the one decode loop (engine/batch.py), a run of one on
-        # the conversation's slot: its caches stay for the next call.
+        # the conversation's slot: its caches stay for the next call. What the engine has
+        # to tell first (a target reloaded after an RPC server was lost) comes before it.
         holder = _Holder()
-        events = _events_only(run_requests(self, [prepared], 1, conversation=True, holder=holder))
+        events = _events_only(run_requests(self, [prepared], 1, conversation=True, holder=holder),
+                              self.take_notices())
         holder.stream = weakref.ref(events)
         return events
 
@@ -238,7 +254,9 @@ class Engine:
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                 stop: str | Sequence[str] | None = None) -> PreparedRequest:
         """Check a request's arguments (see `stream`) without running anything: what
-        `stream` decodes, and what a batch (`stream_batch`, the server) queues."""
+        `stream` decodes, and what a batch (`stream_batch`, the server) queues. A target that
+        lost an RPC server holding its layers loads again first (`take_notices` says so)."""
+        self._recover_target()
         params = request.sampling_params(temperature, top_p, top_k)
         max_new = request.max_new_tokens_arg(max_new_tokens)
         seed = request.seed_arg(seed)
@@ -255,6 +273,22 @@ class Engine:
                 f"{self.context_length} tokens for {asked}. Shorten the prompt, lower max_new_tokens (/max in "
                 f"the chat), or start a new conversation (/new).")
         return PreparedRequest(ids, params, max_new, seed, stops)
+
+    def _recover_target(self) -> None:
+        """Reload a target whose model was on a server lost mid-reply (backends/llama_remote.py)
+        now, before the request is queued, unless a generation holds the engine (its next
+        pass reloads it then, and the log says so)."""
+        recover = getattr(self.decoder.target, "recover", None)
+        if recover is None or getattr(self.decoder.target, "lost", None) is None or self._busy.locked():
+            return
+        notice = recover()
+        if notice:
+            self._notices.append(notice)
+
+    def take_notices(self) -> list[str]:
+        """What happened outside any reply since the last call (a reload and its time)."""
+        notices, self._notices = self._notices, []
+        return notices
 
     def prepare_chat(self, messages: Messages, **kwargs: Any) -> PreparedRequest:
         """`prepare` for a conversation (see `stream_chat`)."""
@@ -432,10 +466,12 @@ def _eos_ids(target, tokenizer) -> set[int]:
     return ids
 
 
-def _events_only(tagged: Iterator[tuple[int, Event]]) -> Iterator[Event]:
-    """A run's events without their request's tag; closed early, it closes the run (which
-    ends the request and frees the engine at once)."""
+def _events_only(tagged: Iterator[tuple[int, Event]], notices: Sequence[str] = ()) -> Iterator[Event]:
+    """The notices, then a run's events without their request's tag; closed early, it
+    closes the run (which ends the request and frees the engine at once)."""
     with contextlib.closing(tagged):
+        for text in notices:
+            yield NoticeEvent(text)
         for _, event in tagged:
             yield event
 

@@ -24,15 +24,18 @@ def engine_kwargs_from_profile(
     target: str | None = None,
     minions: Iterable[str] | None = None,
     tier: str | None = None,
+    rpc: Iterable[str] | None = None,
+    rpc_split: Iterable[float] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Keyword arguments for Engine.from_pretrained; `options` (its own keywords) win.
 
     target / minions / tier: the same overrides as load_profile (the CLI's --target,
     --minion); a GGUF target on a CPU profile is fitted to this machine (planning/fitting.py).
+    rpc / rpc_split: the target's layers over RPC servers (--rpc, --rpc-split; [target] rpc).
     Raises ProfileError or MemoryPlanError with a message for the user.
     """
-    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier)
+    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier, rpc=rpc, rpc_split=rpc_split)
     profile = fitted.profile
     check_format(profile)
     plan = fitted.plan()
@@ -45,7 +48,7 @@ def engine_kwargs_from_profile(
         "device": profile.hardware.device,
         "dtype": profile.target.dtype,
         "compute_dtype": profile.target.compute_dtype,
-        "target_tier": engine_tier(plan),
+        "target_tier": "device" if profile.target.rpc else engine_tier(plan),
         "budget": budget_policy(profile, plan),
         "max_depth": profile.speculation.max_depth,
         "top_k": profile.speculation.top_k,
@@ -105,6 +108,8 @@ def stream_options(profile: Profile, plan: MemoryPlan) -> dict[str, Any]:
     # A GGUF target's kernel decides where it computes (llama.cpp, or torch's paths).
     options: dict[str, Any] = {"kernel": tgt.gguf_kernel, "context_tokens": tgt.context_tokens} \
         if tgt.format == "gguf" else {}
+    if tgt.rpc:  # pooled over machines: nothing streams (backends/llama_remote.py)
+        return {**options, "rpc": {"servers": list(tgt.rpc), "shares": tgt.rpc_split, "timeout": tgt.rpc_timeout_s}}
     if engine_tier(plan) == "device":
         return options
     # The streaming runtime stores every decoder layer at one quantization; the

@@ -132,7 +132,10 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
 
         return load_llama_target(path, context_tokens=stream_options.get("context_tokens", 4096),
                                  layer_tiers=stream_options.get("layer_tiers"), window=stream_options.get("buffers", 2),
-                                 progress=progress)
+                                 progress=progress, rpc=stream_options.get("rpc"))
+    if stream_options.get("rpc"):
+        raise ModelLoadError(f"Splitting a target over RPC servers runs it on llama.cpp, on a CPU; this one is set "
+                             f"to run on {device} with gguf_kernel '{stream_options.get('kernel')}'.")
     streamed = streams(tier, device)
     compute = resolve_compute_dtype(dtype or torch.float32, compute_dtype, device, streamed) or torch.float32
     options = {k: v for k, v in stream_options.items()

@@ -53,14 +53,35 @@ class FittedProfile:
 
 
 def load_fitted(name_or_path: str | os.PathLike, *, target: str | None = None, minions: Iterable[str] | None = None,
-                tier: str | None = None, machine: MachineMemory | None = None) -> FittedProfile:
+                tier: str | None = None, machine: MachineMemory | None = None, rpc: Iterable[str] | None = None,
+                rpc_split: Iterable[float] | None = None) -> FittedProfile:
     """load_profile with the command line's overrides; a GGUF `target` on a CPU profile is
-    fitted to this machine (`machine`: its free memory, measured when not given)."""
-    profile = load_profile(name_or_path, target=target, minions=minions, tier=tier)
+    fitted to this machine (`machine`: its free memory, measured when not given). `rpc`,
+    `rpc_split`: the target's [target] rpc and rpc_split (--rpc, --rpc-split)."""
+    profile = with_rpc(load_profile(name_or_path, target=target, minions=minions, tier=tier), rpc, rpc_split)
     if target is None or profile.target.format != "gguf" or profile.hardware.device != "cpu":
         return FittedProfile(profile)
     return fit_to_machine(profile, minions_named=minions is not None, tier_named=tier is not None,
                           machine=machine or usable_memory())
+
+
+def with_rpc(profile: Profile, rpc: Iterable[str] | None, rpc_split: Iterable[float] | None) -> Profile:
+    """The profile with the command line's RPC servers and split (checked as a profile's)."""
+    if rpc is None and rpc_split is None:
+        return profile
+    from pydantic import ValidationError
+
+    from minions_local.core.errors import ProfileError
+    from minions_local.profile.schema import TargetSection
+
+    update = {"rpc": list(rpc)} if rpc is not None else {}
+    if rpc_split is not None or rpc is not None:
+        update["rpc_split"] = list(rpc_split) if rpc_split is not None else None
+    try:
+        target = TargetSection.model_validate({**profile.target.model_dump(), **update})
+    except ValidationError as err:
+        raise ProfileError(f"--rpc: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return profile.model_copy(update={"target": target})
 
 
 def fit_to_machine(profile: Profile, *, minions_named: bool, tier_named: bool,

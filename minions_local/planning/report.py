@@ -33,10 +33,13 @@ def plan_report(
     minions: Iterable[str] | None = None,
     tier: str | None = None,
     acceptance: Sequence[float] = DEFAULT_ACCEPTANCE,
+    rpc: Sequence[str] | None = None,
+    rpc_split: Sequence[float] | None = None,
 ) -> str:
     """The text `minions-chat --profile X --plan` prints. Raises ProfileError/MemoryPlanError.
-    A GGUF `target` on a CPU profile is planned for this machine (planning/fitting.py)."""
-    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier)
+    A GGUF `target` on a CPU profile is planned for this machine (planning/fitting.py); one
+    split over RPC servers (`rpc`, or the profile's) gets its split and network (rpc_plan.py)."""
+    fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier, rpc=rpc, rpc_split=rpc_split)
     profile, plan = fitted.profile, fitted.plan()
     model = cost_model_from_profile(profile, plan)
     spec = profile.speculation
@@ -53,6 +56,10 @@ def plan_report(
         lines.append(f"  minion {m.name}: {m.kind}, {m.quantization}, {where}")
     lines += ["", plan.format(), "", _cost_lines(model, hw), ""]
     lines += _prediction_table(model, acceptance, spec)
+    if profile.target.rpc:
+        from minions_local.planning.rpc_plan import split_report
+
+        lines += [""] + split_report(profile, model, acceptance, spec)
     lines += ["", "Published figures (other systems, their hardware and drafts):"]
     lines += [f"  {name:<9} {setting:<48} {figure}" for name, setting, figure in ANCHORS]
     lines.append(

@@ -10,6 +10,7 @@ Units: memory in GB (1e9 bytes), bandwidth in GB/s, compute in TFLOP/s, times in
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -23,6 +24,8 @@ MinionQuantization = Literal["none", "nf4", "int8", "q2_k", "q3_k_s", "q3_k_m"]
 LLAMA_CPP_QUANTIZATIONS = ("q2_k", "q3_k_s", "q3_k_m")
 """What llama.cpp re-quantizes a 'substitute' minion to: 3 bits or fewer per weight."""
 MinionKind = Literal["hf", "gguf", "ngram", "substitute", "self_draft", "eagle"]
+_ENDPOINT = re.compile(r"[A-Za-z0-9._-]+:\d{1,5}")
+"""An RPC server as ggml's client reads it (backends/llama_rpc.parse_endpoint checks the port)."""
 OF_THE_TARGET = ("substitute", "self_draft")
 """Minion kinds made from the target's own weights (their path defaults to the target's)."""
 
@@ -172,7 +175,16 @@ class TargetSection(_Section):
     dims: KnownDims | None = Field(
         None, description="Known dimensions, used when the model's config.json is absent."
     )
-
+    rpc: list[str] = Field(
+        default_factory=list, description="RPC servers ('host:port', each running minions-rpc-server) that hold "
+        "some of a GGUF target's layers, computed there by llama.cpp: a model larger than this machine, pooled "
+        "over several. Nothing streams from disk then; the minions stay here.")
+    rpc_split: list[float] | None = Field(
+        None, description="This machine's share of the layers, then each rpc server's (any scale, e.g. "
+        "[0, 1, 1]); unset: in proportion to the memory each reports, as llama.cpp's tensor_split does.")
+    rpc_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds an rpc server may stay silent while it owes an answer (it computes its "
+        "layers of a pass meanwhile) before it counts as lost.")
 
     @model_validator(mode="before")
     @classmethod
@@ -189,6 +201,17 @@ class TargetSection(_Section):
                              "for fewer bytes a pass)")
         if self.gguf_mix is not None and self.format != "gguf":
             raise ValueError("gguf_mix describes a GGUF target; this target's format is 'hf'")
+        if self.rpc and (self.format != "gguf" or self.gguf_kernel not in ("auto", "llama.cpp")):
+            raise ValueError("rpc splits a GGUF target computed by llama.cpp: format 'gguf', gguf_kernel 'auto' "
+                             "or 'llama.cpp'")
+        for server in self.rpc:
+            if not _ENDPOINT.fullmatch(server.strip()):
+                raise ValueError(f"rpc server {server!r} is not host:port (an IPv4 address or a name; "
+                                 f"ggml's client cannot take IPv6)")
+        if self.rpc_split is not None and (len(self.rpc_split) != len(self.rpc) + 1 or min(self.rpc_split) < 0
+                                           or not any(x > 0 for x in self.rpc_split[1:])):
+            raise ValueError(f"rpc_split needs {len(self.rpc) + 1} shares >= 0 (this machine, then each rpc "
+                             f"server), some server's above 0; got {self.rpc_split}")
         return self
 
 

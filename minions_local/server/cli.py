@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from minions_local.core.errors import MinionsError
 from minions_local.core.events import LoadProgress
+from minions_local.profile.split import add_rpc_arguments, rpc_overrides
 from minions_local.server.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app
 
 DEFAULT_PROFILE = "cpu-demo"
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--target", metavar="PATH", help="use this target checkpoint instead of the profile's")
     model.add_argument("--minion", metavar="PATH", action="append", dest="minions",
                        help="use this minion instead of the profile's (repeat for several; 'ngram' for n-gram)")
+    add_rpc_arguments(model)
     model.add_argument("--model-name", metavar="NAME",
                        help="the model id clients see (default: the profile's name)")
     net = p.add_argument_group("network")
@@ -129,7 +131,10 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
     from minions_local.profile import load_profile
 
     # A wrong profile fails here, in a fraction of a second, not after torch has loaded.
-    load_profile(args.profile, target=args.target, minions=args.minions)
+    from minions_local.planning.fitting import with_rpc
+
+    with_rpc(load_profile(args.profile, target=args.target, minions=args.minions), getattr(args, "rpc", None),
+             getattr(args, "rpc_split", None))
     from minions_local.engine import Engine
 
     try:  # the engine reports loading itself; transformers' own bar would draw over it
@@ -143,6 +148,7 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
         overrides["target"] = args.target
     if args.minions:
         overrides["minions"] = list(args.minions)
+    overrides.update(rpc_overrides(args))
     bar = ProgressBar(err)
     try:
         engine = Engine.from_profile(args.profile, progress=bar, **overrides)

@@ -63,7 +63,7 @@ through the 1-token pass alone would price small trees low (by 13% in a run)."""
 
 
 def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES, *,
-                       warm_up: bool = True) -> list[tuple[int, float]]:
+                       warm_up: bool = True, repeats: int = 1) -> list[tuple[int, float]]:
     """(draft nodes, seconds) of the target verifying a chain of each size below a
     made-up context. Leaves the target reset.
 
@@ -74,17 +74,22 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
     2.6 s) and the cost of a pass barely depends on it. Without (a llama.cpp target,
     whose every pass takes its layers through the page cache as the first does), the
     passes are timed from the first, on a 1-token context: at 8B under a memory limit
-    each pass is seconds of loading (the two untimed ones were 4 of a first chat's 20)."""
+    each pass is seconds of loading (the two untimed ones were 4 of a first chat's 20).
+    repeats: passes of each size, the last one timed (a target split over RPC servers
+    asks them questions the first time a pass has a new shape, which ggml then caches:
+    its second pass of a size is what decoding pays)."""
     context = [(11 * i + 5) % max(vocab, 2) for i in range(1, 17 if warm_up else 2)]
     target.prefill(context)
     samples = []
     with _no_gc_pause():
         for nodes in ((sizes[0], *sizes) if warm_up else sizes):
-            tree = TokenTree.from_root(context[-1])
-            parent = 0
-            for i in range(nodes):
-                parent = tree.add(parent, (context[i % len(context)] * 7 + i) % max(vocab, 2))
-            samples.append((nodes, timed(target.verify, context, tree)[1]))
+            for _ in range(repeats):
+                tree = TokenTree.from_root(context[-1])
+                parent = 0
+                for i in range(nodes):
+                    parent = tree.add(parent, (context[i % len(context)] * 7 + i) % max(vocab, 2))
+                seconds = timed(target.verify, context, tree)[1]
+            samples.append((nodes, seconds))
     target.reset()  # the made-up context is nobody's conversation
     return samples[1:] if warm_up else samples
 
@@ -105,10 +110,11 @@ def _no_gc_pause() -> Iterator[None]:
 
 def calibrate_policy(policy: BudgetPolicy, minions: Sequence[BaseMinion], vocab: int,
                      progress: Callable[[LoadProgress], None] | None = None,
-                     target: Target | None = None, target_warm_up: bool = True,
+                     target: Target | None = None, target_warm_up: bool = True, target_repeats: int = 1,
                      target_timed: Sequence[tuple[int, float]] = ()) -> dict[str, list[tuple[int, float]]]:
     """Time the minions whose passes cost something, and the target's pass when given
-    (under the key "target"; `target_warm_up`: see time_verify_passes; `target_timed`:
+    (under the key "target"; `target_warm_up`, `target_repeats`: time_verify_passes's
+    `warm_up` and `repeats`; `target_timed`:
     (draft nodes, seconds) of passes it already ran at load, taken instead when they span
     several sizes), and fold the samples into the prior of a policy that
     `uses_timed_passes` (any other policy, or no minions, is left alone). Returns the
@@ -121,7 +127,8 @@ def calibrate_policy(policy: BudgetPolicy, minions: Sequence[BaseMinion], vocab:
     if len({nodes for nodes, _ in target_timed}) >= 3:
         verify = list(target_timed)
     elif target is not None:
-        verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab, warm_up=target_warm_up))
+        verify = _reported(progress, "target", lambda: time_verify_passes(target, vocab, warm_up=target_warm_up,
+                                                                       repeats=target_repeats))
     if samples or verify:
         policy.calibrate(samples, verify)
     return samples | ({"target": verify} if verify else {})

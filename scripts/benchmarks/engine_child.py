@@ -9,7 +9,10 @@ It loads the engine as a newcomer does (`Engine.from_profile("cpu-demo", target=
 the plan fitted to this machine's memory, the memory group's limit included), answers
 each chat from an empty cache, greedy, and writes what it measured as JSON. With
 `--tree-pass N` it then times a pass of an N-node tree over the last chat (the engine's
-own cost, whatever the minions' acceptance).
+own cost, whatever the minions' acceptance). With `--rpc A,B [--rpc-split 0,1,1]` the
+target is split over those minions-rpc-servers (bench_rpc.py): each chat also reports the
+round trips and bytes its passes cost, and `--batch 4,8` then answers that many chats at
+once (sharing every pass) and reports their tokens/s together.
 """
 
 from __future__ import annotations
@@ -72,12 +75,17 @@ def run(args: argparse.Namespace) -> dict:
     from minions_local.core.events import DoneEvent, TokenEvent
 
     minions = [m for m in args.minions.split(",") if m]
-    engine = Engine.from_profile(_profile(args.kernel), target=args.target, minions=minions)
+    split = {"rpc": args.rpc.split(",")} if args.rpc else {}
+    if args.rpc_split:
+        split["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
+    engine = Engine.from_profile(_profile(args.kernel), target=args.target, minions=minions, **split)
     load = time.perf_counter() - start
+    network = getattr(engine.decoder.target, "network_counters", lambda: (0, 0, 0))
     chats = []
     read_before = _io_bytes("read_bytes")
     for messages in json.loads(Path(args.prompts).read_text()):
         engine.reset()
+        before = network()
         begun, first, generation = time.perf_counter(), None, None
         for event in engine.stream_chat(messages, max_new_tokens=args.max_new):
             if isinstance(event, TokenEvent) and first is None:
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             "ttft": first or seconds, "passes": len(generation.steps),
             "tree_sizes": [s.tree_size for s in generation.steps],
             "accepted": [s.accepted for s in generation.steps],
+            "network": [b - a for a, b in zip(before, network())],  # round trips, bytes sent, received
         })
     target = engine.decoder.target
     out = {
@@ -100,6 +109,15 @@ def run(args: argparse.Namespace) -> dict:
         "disk_read": _io_bytes("read_bytes") - read_before,
         "disk_written": _io_bytes("write_bytes"),
     }
+    for n in [int(x) for x in args.batch.split(",") if x]:
+        conversations = (json.loads(Path(args.prompts).read_text()) * n)[:n]
+        engine.reset()
+        before, begun = network(), time.perf_counter()
+        done = engine.chat_batch(conversations, max_new_tokens=args.max_new, parallel=n)
+        seconds = time.perf_counter() - begun
+        out.setdefault("batches", []).append({
+            "requests": n, "tokens": sum(len(g.token_ids) for g in done), "seconds": seconds,
+            "network": [b - a for a, b in zip(before, network())]})
     if args.tree_pass:
         context = engine.prepare_chat(json.loads(Path(args.prompts).read_text())[-1]).ids
         engine.reset()
@@ -116,6 +134,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--tree-pass", type=int, default=0)
     parser.add_argument("--kernel", default="auto", help="the GGUF target's gguf_kernel (auto: llama.cpp)")
+    parser.add_argument("--rpc", default="", help="split the target over these servers (host:port,...)")
+    parser.add_argument("--rpc-split", default="", help="this machine's share, then each server's")
+    parser.add_argument("--batch", default="", help="also answer this many chats at once (e.g. 4,8)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     Path(args.out).write_text(json.dumps(run(args)))

@@ -79,14 +79,14 @@ def run_tool(argv: list[str], group: MemoryGroup | None, timeout: float) -> tupl
 
 
 def completion(tools: Path, model: Path, prompt: str, *, max_new: int, threads: int, ctx: int,
-               repack: bool, group: MemoryGroup | None, timeout: float = 3600) -> ToolRun:
-    """llama.cpp plain: `llama-completion`, greedy."""
+               repack: bool, group: MemoryGroup | None, timeout: float = 3600, extra: list[str] = ()) -> ToolRun:
+    """llama.cpp plain: `llama-completion`, greedy; `extra`: more of its options (e.g. --rpc)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
         argv = [str(tools / "llama-completion"), "-m", str(model), "-f", f.name, "-n", str(max_new), "-t",
                 str(threads), "-c", str(ctx), "--temp", "0", "-no-cnv", "--no-display-prompt"]
-        out, wall, error = run_tool(argv + ([] if repack else ["-nr"]), group, timeout)
+        out, wall, error = run_tool(argv + ([] if repack else ["-nr"]) + list(extra), group, timeout)
     run = ToolRun(wall_seconds=wall, error=error, text=out)
     if (m := _EVAL.findall(out)):
         ms, runs = m[-1]
@@ -102,9 +102,9 @@ def completion(tools: Path, model: Path, prompt: str, *, max_new: int, threads: 
 
 def speculative(tools: Path, model: Path, draft: Path, prompt: str, *, max_new: int, threads: int, ctx: int,
                 repack: bool, group: MemoryGroup | None, draft_max: int | None = None,
-                timeout: float = 3600) -> ToolRun:
+                timeout: float = 3600, extra: list[str] = ()) -> ToolRun:
     """llama.cpp's speculative decoding: `llama-speculative-simple` with `draft`, greedy;
-    `draft_max`: its most draft tokens a pass (None: its default, 3)."""
+    `draft_max`: its most draft tokens a pass (None: its default, 3); `extra`: more options."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
@@ -112,7 +112,7 @@ def speculative(tools: Path, model: Path, draft: Path, prompt: str, *, max_new: 
                 "draft-simple", "-f", f.name, "-n", str(max_new), "-t", str(threads), "-c", str(ctx), "--temp", "0"]
         if draft_max is not None:
             argv += ["--spec-draft-n-max", str(draft_max)]
-        out, wall, error = run_tool(argv + ([] if repack else ["-nr"]), group, timeout)
+        out, wall, error = run_tool(argv + ([] if repack else ["-nr"]) + list(extra), group, timeout)
     run = ToolRun(wall_seconds=wall, error=error, text=out)
     if (m := _DECODED.search(out)):
         run.tokens, run.decode_seconds = int(m.group(1)), float(m.group(2))

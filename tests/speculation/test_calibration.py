@@ -161,3 +161,17 @@ def test_the_targets_pass_is_timed_at_several_tree_sizes_and_slopes_the_prior():
     # No minions, no trees: the target is not timed.
     assert calibrate_policy(CostModelBudget(free_trees), [], vocab=100, target=(quiet := PricedTarget())) == {}
     assert quiet.trees == []
+
+
+def test_a_target_whose_new_shapes_cost_more_is_timed_on_each_sizes_second_pass():
+    """A split target (backends/llama_remote.py) asks its servers allocation sizes on the
+    first pass of a row count: that pass is not what decoding pays, so it goes untimed."""
+    from minions_local.speculation.calibration import VERIFY_SIZES, time_verify_passes
+
+    target = PricedTarget()
+    samples = time_verify_passes(target, vocab=100, repeats=2)  # the engine's choice for a split target
+    assert target.trees == [n for n in (VERIFY_SIZES[0], *VERIFY_SIZES) for _ in range(2)]
+    assert [n for n, _ in samples] == list(VERIFY_SIZES)
+    plain = PricedTarget()
+    time_verify_passes(plain, vocab=100)
+    assert plain.trees == [VERIFY_SIZES[0], *VERIFY_SIZES]  # one pass a size elsewhere

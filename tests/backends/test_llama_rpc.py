@@ -82,28 +82,17 @@ def test_rows_and_greedy_chat_over_two_servers_are_one_machines(model, servers, 
 
 
 def test_sampling_over_two_servers_follows_the_targets_law(model, servers, alone, monkeypatch):
-    import torch
-
     import minions_local.engine.reply as reply_module
     from minions_local import Engine
-    from minions_local.core.sampling import SamplingParams, processed_probs
-    from minions_local.core.tree import TokenTree
-    from tests.helpers.stats import chi2_pvalue, first_two_tokens
+    from minions_local.core.sampling import SamplingParams
+    from tests.helpers.stats import chi2_pvalue, first_two_tokens, two_token_law
 
     stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
     monkeypatch.setattr(reply_module.random, "getrandbits", lambda bits: next(stream))
     engine = Engine.from_profile("cpu-demo", target=model, minions=[model], rpc=servers)
     prompt = engine.prepare_chat([{"role": "user", "content": "Name a colour."}]).ids
     sp = SamplingParams(1.0, 1.0, 3)
-    local = alone.decoder.target  # the law on one machine
-
-    def law(context: list[int]) -> torch.Tensor:
-        local.reset()
-        return processed_probs(local.verify(context, TokenTree.from_root(context[-1]))[0], sp)
-
-    p1 = law(prompt)
-    expected = {(a, b): float(p1[a] * q[b]) for a in torch.nonzero(p1).flatten().tolist()
-                for q in [law(prompt + [a])] for b in torch.nonzero(q).flatten().tolist()}
+    expected = two_token_law(alone.decoder.target, prompt, sp)  # the law on one machine
     observed, drafted = first_two_tokens(engine, prompt, 200, temperature=1.0, top_k=3)
     assert drafted > 5  # some first steps took two tokens from one pass through the split
     assert chi2_pvalue(observed, expected, 200) > 1e-3

@@ -86,13 +86,10 @@ def test_chat_turns_read_only_their_new_tokens(gguf_family):
 def test_sampling_follows_the_targets_law(gguf_family, monkeypatch):
     """Two sampled tokens, drafts drawn by a close minion: their joint frequencies match
     the law computed from the llama.cpp target's own logits (chi-square)."""
-    import torch
-
     import minions_local.engine.reply as reply_module
     from minions_local import Engine
-    from minions_local.core.sampling import SamplingParams, processed_probs
-    from minions_local.core.tree import TokenTree
-    from tests.helpers.stats import chi2_pvalue, first_two_tokens
+    from minions_local.core.sampling import SamplingParams
+    from tests.helpers.stats import chi2_pvalue, first_two_tokens, two_token_law
 
     stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
     monkeypatch.setattr(reply_module.random, "getrandbits", lambda bits: next(stream))
@@ -100,18 +97,7 @@ def test_sampling_follows_the_targets_law(gguf_family, monkeypatch):
     engine = Engine.from_pretrained(path, [fam["close"]], budget=6, max_depth=3, selection="all")
     prompt = [1, 5, 9, 22, 40, 3]
     sp = SamplingParams(1.0, 1.0, 4)
-    target = engine.decoder.target
-
-    def law(context: list[int]) -> torch.Tensor:
-        target.reset()
-        return processed_probs(target.verify(context, TokenTree.from_root(context[-1]))[0], sp)
-
-    p1 = law(prompt)
-    expected = {}
-    for x1 in torch.nonzero(p1).flatten().tolist():
-        p2 = law(prompt + [x1])
-        for x2 in torch.nonzero(p2).flatten().tolist():
-            expected[(x1, x2)] = float(p1[x1] * p2[x2])
+    expected = two_token_law(engine.decoder.target, prompt, sp)
     engine.reset()
     observed, drafted = first_two_tokens(engine, prompt, 600, temperature=1.0, top_k=4)
     assert drafted > 100  # the minion's drafts served many first steps

@@ -33,3 +33,21 @@ def first_two_tokens(engine, prompt: list[int], n: int, **sampling) -> tuple[Cou
         seen[tuple(out.token_ids)] += 1
         drafted += out.steps[0].accepted > 0
     return seen, drafted
+
+
+def two_token_law(target, prompt: list[int], sampling) -> dict[tuple[int, int], float]:
+    """P(first, second) of the target decoding `prompt` alone under `sampling` (a
+    SamplingParams), read from its own 1-token passes: what first_two_tokens must follow.
+    Leaves the target reset."""
+    from minions_local.core.sampling import processed_probs
+    from minions_local.core.tree import TokenTree
+
+    def law(context: list[int]) -> torch.Tensor:
+        target.reset()
+        return processed_probs(target.verify(context, TokenTree.from_root(context[-1]))[0], sampling)
+
+    first = law(prompt)
+    expected = {(a, b): float(first[a] * second[b]) for a in torch.nonzero(first).flatten().tolist()
+                for second in [law(prompt + [a])] for b in torch.nonzero(second).flatten().tolist()}
+    target.reset()
+    return expected

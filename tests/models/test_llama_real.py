@@ -64,29 +64,18 @@ def test_greedy_chat_through_trees_is_the_targets_own(small_target):
 
 
 def test_sampled_first_tokens_follow_the_targets_law(small_target, monkeypatch):
-    import torch
-
     import minions_local.engine.reply as reply_module
     from benchmarks.padded_gguf import source_gguf
     from minions_local import Engine
-    from minions_local.core.sampling import SamplingParams, processed_probs
-    from minions_local.core.tree import TokenTree
-    from tests.helpers.stats import chi2_pvalue, first_two_tokens
+    from minions_local.core.sampling import SamplingParams
+    from tests.helpers.stats import chi2_pvalue, first_two_tokens, two_token_law
 
     stream = iter(range(10**6))  # unseeded requests draw their drafts: made repeatable here
     monkeypatch.setattr(reply_module.random, "getrandbits", lambda bits: next(stream))
     engine = Engine.from_profile("cpu-demo", target=str(small_target), minions=[str(source_gguf())])
     prompt = engine.prepare_chat([{"role": "user", "content": "Name a colour."}]).ids
     sp = SamplingParams(1.0, 1.0, 3)
-    target = engine.decoder.target
-
-    def law(context: list[int]) -> torch.Tensor:
-        target.reset()
-        return processed_probs(target.verify(context, TokenTree.from_root(context[-1]))[0], sp)
-
-    p1 = law(prompt)
-    expected = {(a, b): float(p1[a] * q[b]) for a in torch.nonzero(p1).flatten().tolist()
-                for q in [law(prompt + [a])] for b in torch.nonzero(q).flatten().tolist()}
+    expected = two_token_law(engine.decoder.target, prompt, sp)
     engine.reset()
     observed, drafted = first_two_tokens(engine, prompt, 300, temperature=1.0, top_k=3)
     assert drafted > 30

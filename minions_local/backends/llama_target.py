@@ -144,7 +144,8 @@ class LlamaTarget(SlotStates):
         self.passes = 0
         self.first_passes: list[tuple[int, float]] = []
         """(rows - 1, seconds) of its first passes (those of the exactness check at load,
-        llama_load.rows_differ): the cost model's timed samples, at no further pass."""
+        llama_load.rows_differ): the cost model's timed samples, at no further pass. None
+        where a new shape's first pass costs more than decoding pays (new_shapes_cost_more)."""
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())
@@ -320,7 +321,7 @@ class LlamaTarget(SlotStates):
                     f"beside what its requests hold: fewer requests at once, or a larger context (n_ctx).")
         start = time.perf_counter()
         logits, cells = self.calls.run(rows)
-        if len(self.first_passes) < 16:
+        if len(self.first_passes) < 16 and not self.new_shapes_cost_more:
             self.first_passes.append((len(rows) - 1, time.perf_counter() - start))
         self.passes += 1
         for slot, tokens in kept_chunks:

@@ -21,6 +21,7 @@ import torch
 
 from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
+from minions_local.backends.llama_remote import RemoteLlamaTarget
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
@@ -130,12 +131,11 @@ class Engine:
         # The minions' and the target's real price per pass.
         # A llama.cpp target that checked its rows at load timed passes of several sizes
         # doing so: at 8B under a memory limit each pass is seconds, none is run again.
-        # Not over RPC: there each new shape's first pass asks the servers questions.
         on_llama = isinstance(target_model, LlamaTarget)
-        shapes_dear = on_llama and target_model.new_shapes_cost_more
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
-                         target_warm_up=not on_llama, target_repeats=2 if shapes_dear else 1,
-                         target_timed=target_model.first_passes if on_llama and not shapes_dear else ())
+                         target_warm_up=not on_llama,
+                         target_repeats=2 if on_llama and target_model.new_shapes_cost_more else 1,
+                         target_timed=target_model.first_passes if on_llama else ())
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
@@ -278,10 +278,10 @@ class Engine:
         """Reload a target whose model was on a server lost mid-reply (backends/llama_remote.py)
         now, before the request is queued, unless a generation holds the engine (its next
         pass reloads it then, and the log says so)."""
-        recover = getattr(self.decoder.target, "recover", None)
-        if recover is None or getattr(self.decoder.target, "lost", None) is None or self._busy.locked():
+        target = self.decoder.target
+        if not isinstance(target, RemoteLlamaTarget) or target.lost is None or self._busy.locked():
             return
-        notice = recover()
+        notice = target.recover()
         if notice:
             self._notices.append(notice)
 

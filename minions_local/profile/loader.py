@@ -25,8 +25,18 @@ DEFAULT_MODELS_DIR = "~/models"
 
 
 def shipped_dir() -> Path:
-    """The folder of shipped profiles (`profiles/` in a checkout)."""
-    return Path(str(files("minions_local.profiles_data")))
+    """The folder of shipped profiles (`profiles/` in a checkout).
+
+    Installed, it is the package `minions_local.profiles_data`. Run from a source tree
+    on PYTHONPATH without installing (the GPU check does: the machine it runs on has no
+    pip access), that package does not exist and the checkout's folder is the one."""
+    try:
+        return Path(str(files("minions_local.profiles_data")))
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parents[2] / "profiles"
+        if checkout.is_dir():
+            return checkout
+        raise
 
 
 def generated_dir() -> Path:

@@ -215,3 +215,17 @@ def test_demo_profiles_point_at_the_shipped_family():
             assert (real.layers, real.hidden, real.intermediate, real.heads, real.kv_heads, real.vocab) == (
                 listed.layers, listed.hidden, listed.intermediate, listed.heads, listed.kv_heads, listed.vocab
             ), f"{name}: the dims listed for {section.path} are stale"
+
+
+def test_shipped_profiles_found_from_an_uninstalled_checkout(monkeypatch):
+    """The GPU check runs the source tree on PYTHONPATH, where the package
+    `minions_local.profiles_data` (pyproject's mapping of profiles/) does not exist:
+    the checkout's profiles/ must still be found (its first run failed on exactly this)."""
+    from minions_local.profile import loader
+
+    def not_installed(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(loader, "files", not_installed)
+    assert (loader.shipped_dir() / "rtx4090-70b.toml").is_file()
+    assert loader.load_profile("rtx4090-70b").target is not None

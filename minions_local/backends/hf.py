@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import inspect
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from minions_local.core.errors import ModelLoadError
@@ -24,6 +26,15 @@ from minions_local.offload.config_match import check_config_matches, unloaded_we
 from minions_local.offload.dtypes import compute_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels a pass may use on CUDA. Not cuDNN's: on an H200 torch picks
+it for masked bf16 attention, and it builds an execution plan for every new shape, on
+the CPU, ~10 ms a call. Every pass of a decode has a new shape (the cache grows by the
+accepted tokens, the tree changes size), so the demo chat ran at 15 tok/s where the
+same passes, once seen, ran at 140 (docs/gpu/, 2026-11-28). Flash attention takes no
+mask, so every tree pass would fall to another kernel anyway; the memory-efficient one
+serves every pass, masked or not, with math as the fallback for what it cannot run."""
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -212,8 +223,9 @@ class CachedModel(SlotStates):
         """The model call itself: logits [T, V] float32 ([1, V]: `prefill`), new
         entries appended to the cache."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
+        with sdpa_kernel(CUDA_ATTENTION) if ids.is_cuda else nullcontext():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
         self.cache = out.past_key_values
         if self.keep_hidden:
             self.last_hidden = out.hidden_states[-1][0]  # transformers' last entry is the normed one
@@ -250,3 +262,4 @@ class CachedModel(SlotStates):
         if len(hidden) > 1:
             self.last_hidden = torch.cat(hidden)
         return logits
+

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minions_local.backends.hf import CachedModel
+from minions_local.backends.hf import CachedModel, attention_kernels
 from minions_local.backends.packing import (TIED_HEAD_COPY, onednn_linear, pack_weight, packing_is_exact,
                                             row_invariant_matmuls)
 from minions_local.backends.tiled_attention import KEY_BLOCK, attend_prompt
@@ -490,6 +490,7 @@ class CompactModel(CachedModel):
         self.decoder.keep_entries(positions)
 
     def _run(self, tokens: list[int], mask: torch.Tensor, positions: torch.Tensor, prefill: bool) -> torch.Tensor:
-        logits = self.decoder.forward(tokens, mask, positions, prefill=prefill)
+        with attention_kernels(positions.device):
+            logits = self.decoder.forward(tokens, mask, positions, prefill=prefill)
         self.last_hidden = self.decoder.last_hidden
         return logits

@@ -37,6 +37,11 @@ mask, so every tree pass would fall to another kernel anyway; the memory-efficie
 serves every pass, masked or not, with math as the fallback for what it cannot run."""
 
 
+def attention_kernels(device: torch.device):
+    """The context a pass runs in: CUDA_ATTENTION on CUDA, torch's own choice elsewhere."""
+    return sdpa_kernel(CUDA_ATTENTION) if device.type == "cuda" else nullcontext()
+
+
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A compute dtype from a dtype or a name (ValueError if unknown); None stays None."""
     return None if dtype is None else compute_dtype(dtype)
@@ -223,7 +228,7 @@ class CachedModel(SlotStates):
         """The model call itself: logits [T, V] float32 ([1, V]: `prefill`), new
         entries appended to the cache."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        with sdpa_kernel(CUDA_ATTENTION) if ids.is_cuda else nullcontext():
+        with attention_kernels(ids.device):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                              use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
         self.cache = out.past_key_values

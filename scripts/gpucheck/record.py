@@ -66,6 +66,10 @@ def keep(result: Path, into: Path = DOCS) -> list[Path]:
     gpu = (data["steps"].get("env") or {}).get("result", {}).get("gpu", "gpu")
     stem = f"{data['started'][:10]}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}"
     into.mkdir(parents=True, exist_ok=True)
+    base, n = stem, 1
+    while (into / f"{stem}.json").exists():  # a second run that day: kept beside the first
+        n += 1
+        stem = f"{base}-{n}"
     kept = [into / f"{stem}.json"]
     shutil.copyfile(result, kept[0])
     png = result.parent / "curve-70b.png"

@@ -196,6 +196,10 @@ def test_docs_gpu_keeps_gpu_runs_and_says_when_the_check_is_due(tmp_path):
     kept = record.keep(run, docs)
     assert [p.name for p in kept] == ["2026-12-01-nvidia-h100-80gb-hbm3.json", "2026-12-01-nvidia-h100-80gb-hbm3.png"]
     assert not record.due(docs)[0]
+    again = record.keep(run, docs)  # a second run that day is kept beside the first, not over it
+    assert [p.name for p in again] == ["2026-12-01-nvidia-h100-80gb-hbm3-2.json",
+                                       "2026-12-01-nvidia-h100-80gb-hbm3-2.png"]
+    again[0].unlink()
     data["code"]["fingerprint"] = "0" * 16  # older code: due again
     kept[0].write_text(json.dumps(data))
     assert record.due(docs)[0]

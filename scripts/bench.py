@@ -5,6 +5,7 @@
     python scripts/bench.py --profile cpu-demo       # the RAM tier
     python scripts/bench.py --quick                  # 3 prompts x 48 tokens, short calibration
     python scripts/bench.py --tiny                   # seconds: tiny random stand-ins (the tests' run)
+    python scripts/bench.py identity|growing-ahead|acceptance ...   # our engine against itself (engine_checks.py)
 
 Prompts: the benchmark's own chat requests (benchmarks/chat_prompts.py: explanation,
 code, lists, a letter, a summary, ...), each rendered through the target's chat
@@ -51,7 +52,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from benchmarks import report  # noqa: E402
+from benchmarks import engine_checks, report  # noqa: E402
 from benchmarks.chat_prompts import calibration_prompt, chat_prompts  # noqa: E402
 from benchmarks.choices import TINY_PROFILE, resolve_profile, resolve_tier, settings, standin_overrides  # noqa: E402
 from benchmarks.lineup import Lineup  # noqa: E402
@@ -63,7 +64,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=f"modes: {', '.join(engine_checks.MODES)} "
+                                "(bench.py MODE --help): our engine against itself, no peers")
     p.add_argument("--profile", default="cpu-demo-disk", help="hardware profile (its policy is the adaptive engine)")
     p.add_argument("--tier", choices=["ram", "disk"], default=None, help="default: the profile's own")
     p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, a short calibration")
@@ -86,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in engine_checks.MODES:
+        return engine_checks.main(argv)
     args = parse_args(argv)
     started = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)  # noqa: E731

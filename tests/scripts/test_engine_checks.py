@@ -1,6 +1,6 @@
-"""The bf16 identity count: where two greedy replies first differ."""
+"""bench.py identity: the bf16 identity count: where two greedy replies first differ."""
 
-from bench_bf16_identity import first_difference
+from benchmarks.engine_checks import first_difference
 
 
 def test_first_difference():

@@ -5,7 +5,7 @@
     python scripts/bench.py --profile cpu-demo       # the RAM tier
     python scripts/bench.py --quick                  # 3 prompts x 48 tokens, short calibration
     python scripts/bench.py --tiny                   # seconds: tiny random stand-ins (the tests' run)
-    python scripts/bench.py identity|growing-ahead|acceptance ...   # our engine against itself (engine_checks.py)
+    python scripts/bench.py MODE ...                 # one piece measured apart (MODES below)
 
 Prompts: the benchmark's own chat requests (benchmarks/chat_prompts.py: explanation,
 code, lists, a letter, a summary, ...), each rendered through the target's chat
@@ -52,7 +52,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from benchmarks import engine_checks, report  # noqa: E402
+from benchmarks import engine_checks, gguf_dequant, report  # noqa: E402
 from benchmarks.chat_prompts import calibration_prompt, chat_prompts  # noqa: E402
 from benchmarks.choices import TINY_PROFILE, resolve_profile, resolve_tier, settings, standin_overrides  # noqa: E402
 from benchmarks.lineup import Lineup  # noqa: E402
@@ -61,11 +61,14 @@ from benchmarks.rounds import TEMPERATURE, calibrate, interleaved  # noqa: E402
 from benchmarks.streaming import engine_pass_bound  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+MODES = {"identity": engine_checks, "growing-ahead": engine_checks, "acceptance": engine_checks,
+         "gguf-dequant": gguf_dequant}
+"""Pieces of this benchmark measured apart: `bench.py MODE --help`."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=f"modes: {', '.join(engine_checks.MODES)} "
-                                "(bench.py MODE --help): our engine against itself, no peers")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=f"modes, each a piece measured apart: {', '.join(MODES)} (bench.py MODE --help)")
     p.add_argument("--profile", default="cpu-demo-disk", help="hardware profile (its policy is the adaptive engine)")
     p.add_argument("--tier", choices=["ram", "disk"], default=None, help="default: the profile's own")
     p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, a short calibration")
@@ -89,8 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in engine_checks.MODES:
-        return engine_checks.main(argv)
+    if argv and argv[0] in MODES:
+        return measure_apart(argv)
     args = parse_args(argv)
     started = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)  # noqa: E731
@@ -109,6 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, cfg, lineup, profile, tier, log, started)
     finally:
         lineup.close()
+
+
+def measure_apart(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py", description="One piece of the benchmark, measured apart.")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    for module in dict.fromkeys(MODES.values()):
+        module.add_parsers(modes)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    print(json.dumps({**args.measure(args), "seconds": round(time.perf_counter() - start)}))
+    return 0
 
 
 def _run(args, cfg: dict, lineup: Lineup, profile: str, tier: str, log, started: float) -> int:

@@ -27,21 +27,17 @@ target, engines that differ only in minions and budget, held-out prompts), greed
 at T=0.7: `seeded` keeps fixed drafts and SpecExec's rule so that a seed repeats
 exactly, `sampled` draws the drafts and verifies by recursive rejection sampling.
 
-Each prints a line per setting and ends with one JSON line.
+Each prints a line per setting and ends with one JSON line (bench.py prints it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
 from benchmarks.chat_prompts import chat_prompts
-
-MODES = ("identity", "growing-ahead", "acceptance")
-
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
@@ -164,9 +160,7 @@ def acceptance(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
-    modes = parser.add_subparsers(dest="mode", required=True)
+def add_parsers(modes) -> None:
     p = modes.add_parser("identity", help="speculative greedy replies against the target alone, per dtype")
     p.add_argument("--profile", default="cpu-demo")
     p.add_argument("--prompts", type=int, default=8)
@@ -174,16 +168,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--budgets", default="adaptive,16,64", help="comma-separated: adaptive or node counts")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(measure=identity)
     p = modes.add_parser("growing-ahead", help="growing ahead during verification, on against off")
     p.add_argument("--profile", default="cpu-demo-disk")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new", type=int, default=128)
+    p.set_defaults(measure=growing_ahead)
     p = modes.add_parser("acceptance", help="accepted draft tokens per pass on the stdlib family")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--temperatures", default="0.0,0.7")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    result = {"identity": identity, "growing-ahead": growing_ahead, "acceptance": acceptance}[args.mode](args)
-    print(json.dumps({**result, "seconds": round(time.perf_counter() - start)}))
-    return 0
+    p.set_defaults(measure=acceptance)

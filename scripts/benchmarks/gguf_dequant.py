@@ -1,6 +1,7 @@
-"""What dequantizing a GGUF layer costs, against what its smaller reads save.
+"""bench.py gguf-dequant: what dequantizing a GGUF layer costs, against what its smaller
+reads save (a piece of `bench.py --gguf-target`, measured apart).
 
-    python scripts/bench_gguf_dequant.py [--gguf FILE] [--threads 1] [--repeats 20] [--passes 3]
+    python scripts/bench.py gguf-dequant [--gguf FILE] [--threads 1] [--repeats 20] [--passes 3]
 
 1. Per decoder layer of the file (default: the shipped SmolLM2 Q4_1), interleaved, best
    of `--repeats`: our torch dequantization of the layer's planar packs into float32
@@ -25,14 +26,13 @@
    verification lossless), and how many of the file's block scales bf16 cannot hold
    (the kernel takes bf16 scales: those weights move by up to 2^-9 of their size).
 
-Prints a table, then ONE JSON line. Timings on a shared 2-core box are noisy: compare
+Prints a table, then ONE JSON line (bench.py prints it). Timings on a shared 2-core box are noisy: compare
 the ratios from one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -132,7 +132,7 @@ def llama_cpp_agreement(path: Path, prompts: int, tokens: int, threads: int) -> 
     from llama_cpp import Llama
     from transformers import AutoTokenizer
 
-    from benchmarks.chat_prompts import CHAT_PROMPTS  # scripts/ is on the path: this file runs from there
+    from benchmarks.chat_prompts import CHAT_PROMPTS
 
     from minions_local.models.gguf_target import ensure_side_folder
     from minions_local.offload.gguf_streamed import load_streamed_gguf
@@ -220,39 +220,41 @@ def _q4_fields(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> tuple[to
     return integers(raw, kind).view(rows, cols), d, m
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--passes", type=int, default=0)
-    parser.add_argument("--llama-cpp", type=int, default=0, metavar="N", help="compare N greedy replies with llama.cpp")
-    parser.add_argument("--tokens", type=int, default=48, help="tokens per reply for --llama-cpp")
-    parser.add_argument("--int4", action="store_true", help="time torch's packed 4-bit kernel on a layer's matmuls")
-    args = parser.parse_args()
+def add_parsers(modes) -> None:
+    p = modes.add_parser("gguf-dequant", help="a GGUF layer dequantized against bf16 widening; --passes, --int4, "
+                         "--llama-cpp N")
+    p.add_argument("--gguf", type=Path, default=None, help="default: the shipped SmolLM2 Q4_1")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--passes", type=int, default=0)
+    p.add_argument("--llama-cpp", type=int, default=0, metavar="N", help="compare N greedy replies with llama.cpp")
+    p.add_argument("--tokens", type=int, default=48, help="tokens per reply for --llama-cpp")
+    p.add_argument("--int4", action="store_true", help="time torch's packed 4-bit kernel on a layer's matmuls")
+    p.set_defaults(measure=measure)
+
+
+def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     if args.gguf is None:
         from minions_local.models.smollm2 import shipped_gguf
 
         args.gguf = shipped_gguf()
-    target = open_target(args.gguf)
+    n_layers = open_target(args.gguf).layers
     layer = per_layer(args.gguf, args.repeats)
-    result = {"file": args.gguf.name, "threads": args.threads, "layers": target.layers, "layer": layer,
-              "cpu": _cpu()}
-    n_layers = target.layers
+    result = {"file": args.gguf.name, "threads": args.threads, "layers": n_layers, "layer": layer, "cpu": _cpu()}
     print(f"{args.gguf.name}: {n_layers} layers, {args.threads} thread(s), {result['cpu']}")
     print(f"per layer: {layer['weights'] / 1e6:.2f} M weights, {layer['gguf_bytes'] / 1e6:.2f} MB of blocks "
           f"({layer['gguf_bytes'] / layer['bf16_bytes']:.3f} of bf16)")
-    print(f"  ours (planar, into float32)  {layer['ours_ms']:7.2f} ms   x{n_layers} = {layer['ours_ms'] * n_layers:6.1f} ms a pass")
-    print(f"  from the file's block layout {layer['file_layout_ms']:7.2f} ms")
-    print(f"  bf16 widened to float32      {layer['widen_bf16_ms']:7.2f} ms   x{n_layers} = {layer['widen_bf16_ms'] * n_layers:6.1f} ms a pass")
-    print(f"  gguf.quants reference (numpy){layer['reference_ms']:7.2f} ms")
+    for key, what in (("ours", "ours (planar, into float32) "), ("file_layout", "from the file's block layout"),
+                      ("widen_bf16", "bf16 widened to float32     "), ("reference", "gguf.quants reference (numpy)")):
+        ms = layer[f"{key}_ms"]
+        print(f"  {what} {ms:7.2f} ms" + (f"   x{n_layers} = {ms * n_layers:6.1f} ms a pass"
+                                           if key in ("ours", "widen_bf16") else ""))
     print(f"  ours / widening {layer['ours_ms'] / layer['widen_bf16_ms']:.2f}x, reference / ours "
           f"{layer['reference_ms'] / layer['ours_ms']:.2f}x")
     if args.passes:
         result["passes"] = p = passes(args.gguf, args.passes)
-        share = layer["ours_ms"] * n_layers / p["gguf_pass_ms"]
-        result["passes"]["dequant_share_of_gguf_pass"] = share
+        p["dequant_share_of_gguf_pass"] = share = layer["ours_ms"] * n_layers / p["gguf_pass_ms"]
         print(f"1-token pass from disk (median of {args.passes}): GGUF {p['gguf_pass_ms']:.1f} ms "
               f"({p['gguf_bytes_per_pass'] / 1e6:.1f} MB), bf16 {p['bf16_pass_ms']:.1f} ms "
               f"({p['bf16_bytes_per_pass'] / 1e6:.1f} MB); GGUF/bf16 {p['gguf_pass_ms'] / p['bf16_pass_ms']:.2f}x; "
@@ -271,7 +273,7 @@ def main() -> None:
                   f"{r['dense_bf16_ms']:.2f} ms, int4 kernel {r['int4_bf16_ms']:.2f} ms "
                   f"(x{r['dequant_fp32_ms'] / r['int4_bf16_ms']:.1f}); int4 largest difference "
                   f"{r['int4_max_rel_diff']:.1e} of the largest output, row-invariant: {r['int4_row_invariant']}")
-    print(json.dumps(result))
+    return result
 
 
 def _cpu() -> str:
@@ -283,6 +285,3 @@ def _cpu() -> str:
     isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
     return f"{model} ({isa})"
 
-
-if __name__ == "__main__":
-    main()

@@ -24,16 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-
-def _io_bytes(field: str) -> int:
-    """This process's storage I/O so far (/proc/self/io: `read_bytes`, `write_bytes`)."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+from benchmarks.llama_child import proc_io_bytes
 
 
 def _tree_pass_seconds(engine, context: list[int], nodes: int, repeats: int = 3) -> float:
@@ -82,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
     load = time.perf_counter() - start
     network = getattr(engine.decoder.target, "network_counters", lambda: (0, 0, 0))
     chats = []
-    read_before = _io_bytes("read_bytes")
+    read_before = proc_io_bytes()
     for messages in json.loads(Path(args.prompts).read_text()):
         engine.reset()
         before = network()
@@ -106,8 +97,8 @@ def run(args: argparse.Namespace) -> dict:
         "plan": engine.memory_plan_text(),
         "bytes_streamed": target.bytes_streamed(),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "disk_read": _io_bytes("read_bytes") - read_before,
-        "disk_written": _io_bytes("write_bytes"),
+        "disk_read": proc_io_bytes() - read_before,
+        "disk_written": proc_io_bytes("write_bytes"),
     }
     for n in [int(x) for x in args.batch.split(",") if x]:
         conversations = (json.loads(Path(args.prompts).read_text()) * n)[:n]

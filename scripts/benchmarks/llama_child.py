@@ -52,13 +52,14 @@ class MethodFailed(RuntimeError):
     """A method could not complete a run; the benchmark drops it from later rounds."""
 
 
-def proc_read_bytes() -> int:
+def proc_io_bytes(field: str = "read_bytes") -> int:
     """Bytes this process caused to be read from storage (O_DIRECT reads and page
-    faults on mmapped files included; page cache hits not)."""
+    faults on mmapped files included; page cache hits not), or with "write_bytes",
+    written to it."""
     try:
         with open("/proc/self/io") as f:
             for line in f:
-                if line.startswith("read_bytes:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1])
     except OSError:
         pass
@@ -99,7 +100,7 @@ class _Served:
         self.llm.set_seed(seed)
         self.passes = 0
         out: list[int] = []
-        before = proc_read_bytes()
+        before = proc_io_bytes()
         start = time.perf_counter()
         # top_k 0 / top_p 1 / min_p 0: sample from the plain tempered distribution, like the others.
         for token in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
@@ -108,7 +109,7 @@ class _Served:
                 break
         seconds = time.perf_counter() - start
         return {"tokens": out, "seconds": seconds, "passes": self.passes,
-                "read_bytes": proc_read_bytes() - before}
+                "read_bytes": proc_io_bytes() - before}
 
 
 class _BatchServed:
@@ -185,7 +186,7 @@ class _BatchServed:
         rng = np.random.default_rng(seed)
         eos = set(eos_ids)
         self.passes = 0
-        before = proc_read_bytes()
+        before = proc_io_bytes()
         start = time.perf_counter()
         flat = [(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
         logits = self._decode(*map(list, zip(*flat)))
@@ -211,7 +212,7 @@ class _BatchServed:
                                       [len(prompts[s]) + len(out[s]) - 1 for s in running], running,
                                       [True] * len(running))
         return {"tokens": out, "first": first, "done": done, "seconds": time.perf_counter() - start,
-                "passes": self.passes, "read_bytes": proc_read_bytes() - before}
+                "passes": self.passes, "read_bytes": proc_io_bytes() - before}
 
 
 def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:

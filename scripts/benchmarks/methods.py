@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.llama_child import LlamaCppServer, proc_read_bytes
+from benchmarks.llama_child import LlamaCppServer, proc_io_bytes
 from minions_local import Engine
 from minions_local.core.events import StepRecord
 from minions_local.speculation.budget import BudgetPolicy
@@ -97,12 +97,12 @@ class EngineMethod(Method):
         # the request's own random stream (and so this run) repeatable.
         random.seed(seed)
         target = self.engine.decoder.target
-        streamed, read = target.bytes_streamed(), proc_read_bytes()
+        streamed, read = target.bytes_streamed(), proc_io_bytes()
         start = time.perf_counter()
         out = self.engine.generate(ids, max_new_tokens=max_new, temperature=temperature)
         seconds = time.perf_counter() - start
         return Run(list(out.token_ids), seconds, len(out.steps), list(out.steps), out.prefill_seconds,
-                   read_bytes=proc_read_bytes() - read, streamed_bytes=target.bytes_streamed() - streamed)
+                   read_bytes=proc_io_bytes() - read, streamed_bytes=target.bytes_streamed() - streamed)
 
 
 def engine_sharing_target(base: Engine, minions: list, policy: BudgetPolicy, selection: str = "learned") -> Engine:
@@ -147,14 +147,14 @@ class HFMethod(Method):
             extra["assistant_model"] = self.assistant
         if self.prompt_lookup:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup
-        before, read = self.counter.count, proc_read_bytes()
+        before, read = self.counter.count, proc_io_bytes()
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
                                       pad_token_id=self.eos_id, eos_token_id=self.eos_id, **sampling, **extra)
         seconds = time.perf_counter() - start
         return Run(out[0, len(ids):].tolist(), seconds, self.counter.count - before,
-                   read_bytes=proc_read_bytes() - read)
+                   read_bytes=proc_io_bytes() - read)
 
 
 def param_bytes(model) -> int:

@@ -47,20 +47,11 @@ class ModelShape:
         if self.family == "qwen2":
             extra["use_sliding_window"] = False
         return config_cls(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            max_position_embeddings=self.max_positions,
-            rope_theta=10000.0,
+            vocab_size=vocab_size, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            max_position_embeddings=self.max_positions, rope_theta=10000.0,
             tie_word_embeddings=True,  # halves the embedding bytes every pass streams
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-            **extra,
-        )
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id, **extra)
 
     def build(self, vocab_size: int, bos_id: int, eos_id: int) -> PreTrainedModel:
         _, model_cls = ARCHITECTURES[self.family]
@@ -103,12 +94,9 @@ class Budget:
     def scaled(self, factor: float) -> Budget:
         """The same recipe with every phase ``factor`` times as long (an idle or bigger
         machine can afford a better family); warmup stays as it is."""
-        return replace(
-            self,
-            target_alone_steps=max(1, round(self.target_alone_steps * factor)),
-            shared_steps=max(1, round(self.shared_steps * factor)),
-            minion_alone_steps=max(1, round(self.minion_alone_steps * factor)),
-        )
+        longer = lambda steps: max(1, round(steps * factor))  # noqa: E731
+        return replace(self, target_alone_steps=longer(self.target_alone_steps), shared_steps=longer(self.shared_steps),
+                       minion_alone_steps=longer(self.minion_alone_steps))
 
 
 @dataclass(frozen=True)
@@ -139,16 +127,8 @@ FULL = FamilySpec(
     ),
     # Sized to finish within the hour on a 2-core box shared with other jobs (~300
     # target tokens/s when busy, ~1000 when idle); an idle box needs ~35 min.
-    budget=Budget(
-        target_alone_steps=300,
-        shared_steps=300,
-        minion_alone_steps=90,
-        batch_size=2,
-        seq_len=1024,
-        target_lr=2e-3,
-        minion_lr=3e-3,
-        warmup_steps=20,
-    ),
+    budget=Budget(target_alone_steps=300, shared_steps=300, minion_alone_steps=90, batch_size=2, seq_len=1024,
+                  target_lr=2e-3, minion_lr=3e-3, warmup_steps=20),
 )
 
 QUICK = FamilySpec(
@@ -159,25 +139,10 @@ QUICK = FamilySpec(
         ModelShape("minion-qwen2-xs", "qwen2", hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64, max_positions=256),
         ModelShape("minion-mistral-m", "mistral", hidden=48, layers=1, heads=2, kv_heads=1, intermediate=96, max_positions=256),
     ),
-    budget=Budget(
-        target_alone_steps=6,
-        shared_steps=4,
-        minion_alone_steps=3,
-        batch_size=2,
-        seq_len=64,
-        target_lr=3e-3,
-        minion_lr=3e-3,
-        warmup_steps=2,
-    ),
-    max_train_files=60,
-    eval_files_per_package=1,
-    eval_window=64,
-    eval_max_windows=4,
-    greedy_prompts=2,
-    greedy_prompt_len=16,
-    greedy_new_tokens=16,
-    min_target_params=0,
-    minion_param_range=(0, 10**9),
+    budget=Budget(target_alone_steps=6, shared_steps=4, minion_alone_steps=3, batch_size=2, seq_len=64,
+                  target_lr=3e-3, minion_lr=3e-3, warmup_steps=2),
+    max_train_files=60, eval_files_per_package=1, eval_window=64, eval_max_windows=4,
+    greedy_prompts=2, greedy_prompt_len=16, greedy_new_tokens=16, min_target_params=0, minion_param_range=(0, 10**9),
 )
 
 

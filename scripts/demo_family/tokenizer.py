@@ -13,7 +13,7 @@ starts with it) and EOS (an assistant turn ends with it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -55,31 +55,16 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_iterate(texts), trainer=trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[END_OF_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(iter(texts), trainer=trainer)
     return tokenizer
 
 
-def _iterate(texts: Iterable[str]) -> Iterator[str]:
-    yield from texts
-
-
 def as_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=END_OF_TEXT,
-        eos_token=END_OF_TEXT,
-        unk_token=END_OF_TEXT,
-        pad_token=END_OF_TEXT,
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
+                                 unk_token=END_OF_TEXT, pad_token=END_OF_TEXT, model_max_length=model_max_length,
+                                 clean_up_tokenization_spaces=False)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 

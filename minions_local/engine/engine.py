@@ -231,7 +231,7 @@ class Engine:
         far more often. With a seed the output repeats exactly, on any engine state:
         the drafts are then the minions' top tokens and every committed token is one
         seeded draw from the target, which costs acceptance (1.6-1.7 instead of 3.0-4.1
-        tokens per pass on the demo family at temperature 0.7: scripts/bench_sampled_accept.py).
+        tokens per pass on the demo family at temperature 0.7: scripts/bench.py acceptance).
         stop: strings that end the reply (not included). max_new_tokens=None: as many
         as the context window leaves. Every argument is checked before any work is done;
         a bad one (or a context overflow) raises RequestError / ContextOverflowError

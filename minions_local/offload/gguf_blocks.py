@@ -30,7 +30,7 @@ from minions_local.models.gguf_file import GGML_TYPES
 CPU_CHUNK_WEIGHTS = 1 << 16
 """Weights dequantized per step on a CPU: a chunk's float32 output (256 KiB) and its
 byte-sized temporaries stay in L2, so the half-dozen elementwise ops per block type
-read and write cache, not memory (scripts/bench_gguf_dequant.py measures chunk sizes)."""
+read and write cache, not memory (scripts/bench.py gguf-dequant measures chunk sizes)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ Greedy identity: ours over the split, with trees, against that run, token for to
 
 Reported per method: tok/s, tokens per pass, round trips per token (ours: counted by its
 relays, a new graph shape's allocation questions included; llama.cpp's: one per server and
-pass, not counted). On one 2-core box the servers and the client share the cores, so with no delay
+pass, not counted), and ours: KB received a token (the hidden states the head, kept here,
+reads). On one 2-core box the servers and the client share the cores, so with no delay
 the split is compute-bound; the delays show what the network costs each method.
 Prints a table and ends with one JSON line.
 """
@@ -126,6 +127,7 @@ def ours_split(files: dict, convs: list, args, endpoints: list[str], batch: str 
     if "chats" in result:
         tokens = sum(len(c["tokens"]) for c in result["chats"])
         result["round_trips_per_token"] = sum(c["network"][0] for c in result["chats"]) / max(tokens, 1)
+        result["kb_in_per_token"] = sum(c["network"][2] for c in result["chats"]) / max(tokens, 1) / 1e3
         for b in result.get("batches", []):
             b["tok_s"] = b["tokens"] / b["seconds"]
     return result
@@ -186,13 +188,13 @@ def report(results: dict, servers: Servers, args, size: int) -> None:
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if a and b else None
 
-    print(f"\n{'delay':>6} {'method':<22} {'tok/s':>7} {'tok/pass':>8} {'trips/tok':>9}")
+    print(f"\n{'delay':>6} {'method':<22} {'tok/s':>7} {'tok/pass':>8} {'trips/tok':>9} {'KB in/tok':>9}")
     for row, methods in results.items():
         if row == "one machine":
             methods = {"ours, streaming": methods}
         for name, r in methods.items():
             print(f"{row:>6} {name:<22} {r.get('tok_s', 0):>7.2f} {r.get('tokens_per_pass', 0):>8.2f} "
-                  f"{r.get('round_trips_per_token', 0):>9.2f} {r.get('error', '')}")
+                  f"{r.get('round_trips_per_token', 0):>9.2f} {r.get('kb_in_per_token', 0):>9.1f} {r.get('error', '')}")
             for b in r.get("batches", []):
                 print(f"{row:>6} {'ours x' + str(b['requests']):<22} {b['tok_s']:>7.2f}")
     split, alone = results.get("0ms", {}).get("ours", {}), results["one machine"]

@@ -43,6 +43,17 @@ HANDSHAKE_TIMEOUT = 10.0
 """Seconds a server may take to accept and answer the handshake (it answers at once)."""
 
 
+HEAD_TENSORS = rb"^(output|token_embd)\.weight$"
+"""The tensors the output head multiplies by (llama.cpp's names), kept on this machine."""
+
+
+class _BuftOverride(ctypes.Structure):
+    """llama.h's llama_model_tensor_buft_override: tensors whose name matches `pattern`
+    go to buffer type `buft`; an array of them ends with a null pattern."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
 class RemoteLlamaTarget(LlamaTarget):
     """LlamaTarget over this machine and RPC `servers` ("host:port").
 
@@ -130,6 +141,12 @@ class RemoteLlamaTarget(LlamaTarget):
         mparams.devices = ctypes.cast(self._device_array, ctypes.c_void_p).value
         mparams.tensor_split = self._split_array
         mparams.n_gpu_layers = self.placement.n_gpu_layers
+        # The head on this machine (profile/split.py says why): the output weight, or the
+        # token embeddings where they double as it (llama.cpp then loads a second copy of
+        # them for the output layer, under the same name, which this pattern keeps here).
+        self._head_here = (_BuftOverride * 2)(_BuftOverride(HEAD_TENSORS, ggml().cpu_buffer_type()),
+                                              _BuftOverride(None, None))
+        mparams.tensor_buft_overrides = ctypes.cast(self._head_here, ctypes.c_void_p).value
         return mparams
 
     # --- faults ------------------------------------------------------------------------

@@ -212,6 +212,7 @@ class _Ggml:
         self.dev_name = _fn(base, "ggml_backend_dev_name", ctypes.c_char_p, [p])
         self.dev_type = _fn(base, "ggml_backend_dev_type", ctypes.c_int, [p])
         self.dev_memory = _fn(base, "ggml_backend_dev_memory", None, [p, ctypes.POINTER(size), ctypes.POINTER(size)])
+        self.dev_buffer_type = _fn(base, "ggml_backend_dev_buffer_type", p, [p])
         reg = self.reg_by_name(b"RPC")
         if not reg:
             raise ModelLoadError("This llama-cpp-python was built without ggml's RPC backend, which splitting a "
@@ -222,6 +223,13 @@ class _Ggml:
         self.add_server = ctypes.CFUNCTYPE(p, ctypes.c_char_p)(add)
         self.start_server = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, size, size,
                                              ctypes.POINTER(p))(start)
+
+
+    def cpu_buffer_type(self) -> int:
+        """This machine's CPU buffer type (llama.cpp compares it by address to
+        ggml_backend_cpu_buffer_type(): a tensor overridden to it is placed as the CPU's
+        weights are, with repacking as the model's use_extra_bufts says)."""
+        return self.dev_buffer_type(self.dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU))
 
 
 def _fn(lib: Any, name: str, restype: Any, argtypes: list[Any]) -> Any:

@@ -4,7 +4,8 @@ counted in. No weights are loaded; each server is asked the handshake's few ques
 
 A pass over a split pays one round trip per server holding layers: the client sends a
 server its inputs and graph without waiting (ggml's RPC client queues them), then waits
-for the activations (from the last server, the logits) before the next server can start.
+for the activations (from the last server, the hidden states the head reads here)
+before the next server can start.
 A tree pays those round trips once for all its tokens; a token alone pays them each time.
 """
 

@@ -159,7 +159,7 @@ def test_plan_shows_the_split_and_each_round_trip(model, servers):
     text = out.getvalue()
     assert "Split over 3 RPC servers" in text and f"{down}: not reachable now (Nothing listens" in text
     assert all(f"{s}: protocol 7.0.0" in text and "round trip" in text for s in servers)
-    assert "layers (rpc_split): this machine: layers 0-7" in text and f"{down}: layers 23-29 + the output head" in text
+    assert "layers (rpc_split): this machine: layers 0-7 + the output head" in text and f"{down}: layers 23-29 (" in text
     assert "network per pass: 3 round trips" in text and f"({down} not measured)" in text
     assert main(["--target", model, "--rpc", "localhost", "--plan"], stdout=out, stderr=err) == 1
     assert "--rpc: rpc server 'localhost' is not host:port" in err.getvalue()

@@ -10,6 +10,14 @@ through the split, so a server started otherwise is found out before any reply.
 The protocol has no authentication: whoever reaches the port can allocate memory and run
 computations on this machine. So it listens on loopback unless told a host, and refuses
 every interface (0.0.0.0) without --allow-network.
+
+A client that vanishes without closing its connection (its machine lost power, the link
+went down) would hold ggml's server, which serves one client at a time and waits on the
+socket without a timeout, for good: no client could connect again. So the listening
+socket gets TCP keepalive (and a user timeout), which every connection it accepts
+inherits: a silent peer is probed after KEEPALIVE_IDLE_S and dropped within about a
+minute more, and ggml's loop goes back to accepting. A client that is idle but alive
+answers the probes from its kernel, so an idle chat keeps its server.
 """
 
 from __future__ import annotations
@@ -20,10 +28,17 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from minions_local.core.errors import MinionsError
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+"""A connection silent this long is probed, every interval, and dropped after that many
+unanswered probes (about 60 s in all)."""
+USER_TIMEOUT_MS = 60_000
+"""Data sent to a peer that acknowledges nothing for this long drops the connection too
+(keepalive only probes connections with nothing in flight)."""
 NO_AUTH = "the RPC protocol has no authentication: anyone who can reach this port can use this machine's memory and cores"
 WILDCARDS = {"0.0.0.0", "", "::", "*"}
 
@@ -105,6 +120,10 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     ended.start()
+    if not _arm_keepalive(args.port, ended):
+        print("warning: could not find the server's listening socket to set TCP keepalive on: a client that "
+              "vanishes without closing its connection will hold this server until it is restarted.",
+              file=sys.stderr)
     while not stopped.wait(0.5):
         pass
     sys.stdout.flush()
@@ -112,6 +131,36 @@ def serve(args: argparse.Namespace) -> int:
         os._exit(0)  # the server thread sits in C: leave without waiting for it
     print(f"error: the server stopped: cannot listen on {host}:{args.port}?", file=sys.stderr)
     return 1
+
+
+def _arm_keepalive(port: int, server: threading.Thread, wait_s: float = 10.0) -> bool:
+    """Set TCP keepalive on the socket ggml's server (in this process) listens on at `port`,
+    found among this process's file descriptors once it listens; False if it is not found
+    within `wait_s` (the server thread ended, say)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and server.is_alive():
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+                sock = socket.socket(fileno=os.dup(int(name)))  # the same socket, through a second descriptor
+            except OSError:
+                continue
+            with sock:
+                try:
+                    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    if not listening or sock.family != socket.AF_INET or sock.getsockname()[1] != port:
+                        continue
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+                    return True  # (closing the second descriptor leaves the server's own open)
+                except OSError:
+                    continue
+        time.sleep(0.01)
+    return False
 
 
 def _cannot_listen(host: str, port: int) -> str:

@@ -112,3 +112,26 @@ def test_the_server_says_its_versions(capsys):
 
     assert rpc_cli.main(["--version"]) == 0
     assert "RPC protocol 7.0.0" in capsys.readouterr().out
+
+
+def test_the_server_drops_a_client_that_vanishes_without_closing():
+    """ggml's server serves one client at a time with no timeout, so a client whose machine
+    vanished would hold it for good: every connection it accepts must carry TCP keepalive
+    (inherited from the listening socket rpc_cli arms). /proc/net/tcp shows the timer the
+    kernel runs on the server's side of a fresh, idle connection: 2 is keepalive."""
+    from tests.helpers.rpc_servers import start_servers
+
+    (server,) = start_servers(1)
+    try:
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            mine = client.getsockname()[1]
+            time.sleep(0.2)
+            rows = [line.split() for line in open("/proc/net/tcp").read().splitlines()[1:]]
+            ours = [r for r in rows if int(r[1].split(":")[1], 16) == port and int(r[2].split(":")[1], 16) == mine]
+            assert ours, "the server's side of the connection is not in /proc/net/tcp"
+            timer, when = ours[0][5].split(":")
+            assert timer == "02", f"no keepalive timer on the accepted connection (timer {timer})"
+            assert int(when, 16) > 0  # jiffies until the first probe
+    finally:
+        server.kill()

@@ -154,7 +154,8 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             generation = await watch.until(_collect(job, prompt_field))
-            stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile)
+            stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile,
+                                      notices=job.notices)
             return JSONResponse(reply.complete(generation, stats))
         except ClientGone:
             log.info("%s: the client went away; cancelling", job.name)
@@ -228,7 +229,8 @@ async def _events(job: Job, reply: OpenAIReply, scheduler: Scheduler, prompt_fie
                 if generation.finish_reason == "cancelled":
                     yield sse(errors.shutting_down().body())
                     return
-                stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile)
+                stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile,
+                                      notices=job.notices)
                 yield sse(reply.final_chunk(generation, stats))
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(generation, stats))

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from minions_local import __version__
 from minions_local.core.events import Generation
@@ -30,9 +30,10 @@ def usage(generation: Generation) -> dict[str, int]:
             "total_tokens": generation.prompt_tokens + completion}
 
 
-def speculation_stats(generation: Generation, *, queue_seconds: float, profile: str) -> dict[str, Any]:
+def speculation_stats(generation: Generation, *, queue_seconds: float, profile: str,
+                      notices: Sequence[str] = ()) -> dict[str, Any]:
     steps = generation.steps
-    return {
+    return ({"notices": list(notices)} if notices else {}) | {
         "profile": profile,
         "target_passes": len(steps),
         "tokens_per_pass": round(generation.tokens_per_pass, 3),

@@ -66,6 +66,9 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     passes: int = 0
+    notices: list[str] = field(default_factory=list)
+    """What happened to the engine just before this job started (a target reloaded after an
+    RPC server was lost, and how long that took): logged, and stated in the reply."""
 
     def put(self, item: Any) -> None:
         """From the worker thread; a closed loop (server gone) cancels the job."""
@@ -180,6 +183,9 @@ class Scheduler:
             job.put(Failed(err))
             self._leave(job)
             return
+        for text in self.engine.take_notices():
+            log.warning("%s: %s", job.name, text)
+            job.notices.append(text)
         job.put(Started())
         self._running[job] = self._batch.admit(request, job)
 

@@ -80,6 +80,9 @@ class FakeEngine:
         self.calls: list[dict[str, Any]] = []
         self.resets = 0
         self.closed_early = 0
+        self.notices: list[str] = []
+        """What take_notices hands the next request (a real engine: a reload after an RPC
+        server was lost)."""
 
     def memory_plan_text(self) -> str:
         return PLAN
@@ -113,6 +116,10 @@ class FakeEngine:
 
     def default_parallel(self) -> int:
         return 4
+
+    def take_notices(self) -> list[str]:
+        notices, self.notices = self.notices, []
+        return notices
 
     def batch_run(self, parallel: int) -> FakeBatch:
         return FakeBatch(self, parallel)

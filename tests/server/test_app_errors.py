@@ -77,3 +77,16 @@ def test_the_server_goes_on_after_a_failure(serve):
     status, text = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 5})
     reply = json.loads(text)
     assert status == 200 and reply["choices"][0]["text"] and reply["usage"]["prompt_tokens"] == 12
+    assert "notices" not in reply["minions"]
+    # A reload before a request (the engine lost an RPC server) is stated in its reply,
+    # streamed or not, and only in that one.
+    reload = "The target loaded again over this machine and b:2 in 3.1 s, after losing a:1."
+    for stream in (False, True):
+        engine.notices = [reload]
+        status, text = post(port, "/v1/chat/completions", {**CHAT, "stream": stream})
+        if stream:
+            last = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")][-1]
+            assert last["minions"]["notices"] == [reload]
+        else:
+            assert status == 200 and json.loads(text)["minions"]["notices"] == [reload]
+    assert "notices" not in json.loads(post(port, "/v1/chat/completions", CHAT)[1])["minions"]

@@ -151,9 +151,14 @@ def test_a_failing_pass_fails_its_jobs_and_the_worker_goes_on():
             items = await drain(job)
             assert isinstance(items[-2], Failed) and "pass failed" in str(items[-2].error)
         engine.fail_after = None
+        # The engine reloaded its target before the next request (an RPC server was lost):
+        # that request carries the notice, for its reply, and the log says it.
+        engine.notices = ["The target loaded again over this machine and b:2 in 3.1 s"]
         after = job_for("after", engine.order, loop)
         scheduler.submit(after)
         assert isinstance((await drain(after))[-2], DoneEvent)
+        assert after.notices == ["The target loaded again over this machine and b:2 in 3.1 s"]
+        assert engine.notices == []
         scheduler.stop()
 
     run(scenario())

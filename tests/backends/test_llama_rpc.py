@@ -7,6 +7,7 @@ with a clean error, after which the next request reloads over the server left.""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +144,60 @@ def test_a_server_killed_mid_reply_ends_it_cleanly_and_the_next_request_reloads(
         with pytest.raises(RemoteError, match="no RPC server answers"):
             engine.chat(QUESTION, max_new_tokens=5)
     finally:
+        for s in own:
+            s.kill()
+
+
+def test_a_server_lost_under_a_served_batch_fails_every_request_sharing_it(model, tmp_path):
+    """Through minions-serve and the official client: two streamed chats share passes over
+    a split; a server killed mid-reply ends both with a clean error (no traceback), the
+    server goes on, and the next request loads the target again over the server left
+    and says so in its reply's stats."""
+    import threading
+
+    import openai
+
+    from tests.server.process import start_server
+
+    own = start_servers(2)
+    served = None
+    try:
+        served = start_server("--target", model, "--rpc", ",".join(s.endpoint for s in own), "--parallel", "2",
+                              cwd=tmp_path, profile="cpu-demo", minions=["ngram"])
+        client = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
+        story = [{"role": "user", "content": "Write a long story about the sea."}]
+        chunks, errors = [0, 0], [None, None]
+
+        def read(i: int) -> None:
+            try:
+                for _ in client.chat.completions.create(model="m", messages=story, max_tokens=300, temperature=0,
+                                                        stream=True):
+                    chunks[i] += 1
+            except openai.APIError as err:
+                errors[i] = err
+
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + 120
+        while min(chunks) < 4 and time.monotonic() < deadline and all(r.is_alive() for r in readers):
+            time.sleep(0.01)
+        assert min(chunks) >= 4, f"both replies should be under way (chunks {chunks}):\n{served.log[-2000:]}"
+        own[1].kill()
+        for r in readers:
+            r.join(120)
+        for err in errors:
+            assert err is not None and f"The RPC server {own[1].endpoint}" in str(err) and "lost" in str(err)
+            assert "Traceback" not in str(err)
+        reply = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8, temperature=0)
+        notices = reply.model_extra["minions"].get("notices", [])
+        assert reply.choices[0].message.content and len(notices) == 1, notices
+        assert f"over this machine and {own[0].endpoint}" in notices[0] and f"after losing {own[1].endpoint}" in \
+            notices[0]
+        assert "Traceback" not in served.log
+    finally:
+        if served is not None:
+            served.stop()
         for s in own:
             s.kill()
 

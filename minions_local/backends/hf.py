@@ -267,4 +267,3 @@ class CachedModel(SlotStates):
         if len(hidden) > 1:
             self.last_hidden = torch.cat(hidden)
         return logits
-

@@ -224,7 +224,6 @@ class _Ggml:
         self.start_server = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, size, size,
                                              ctypes.POINTER(p))(start)
 
-
     def cpu_buffer_type(self) -> int:
         """This machine's CPU buffer type (llama.cpp compares it by address to
         ggml_backend_cpu_buffer_type(): a tensor overridden to it is placed as the CPU's

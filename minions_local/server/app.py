@@ -154,9 +154,7 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             generation = await watch.until(_collect(job, prompt_field))
-            stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile,
-                                      notices=job.notices)
-            return JSONResponse(reply.complete(generation, stats))
+            return JSONResponse(reply.complete(generation, _stats(job, generation, profile)))
         except ClientGone:
             log.info("%s: the client went away; cancelling", job.name)
             return Response(status_code=499)
@@ -190,6 +188,12 @@ def create_app(engine: Any, settings: Settings, scheduler: Scheduler | None = No
 
 def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "minions-local"}
+
+
+def _stats(job: Job, generation: Generation, profile: str) -> dict[str, Any]:
+    """The reply's `minions` field: its speculation, its time queued, and the notices of
+    what happened before it started."""
+    return speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile, notices=job.notices)
 
 
 def _failure(item: Any, prompt_field: str) -> ApiError:
@@ -229,8 +233,7 @@ async def _events(job: Job, reply: OpenAIReply, scheduler: Scheduler, prompt_fie
                 if generation.finish_reason == "cancelled":
                     yield sse(errors.shutting_down().body())
                     return
-                stats = speculation_stats(generation, queue_seconds=job.queue_seconds, profile=profile,
-                                      notices=job.notices)
+                stats = _stats(job, generation, profile)
                 yield sse(reply.final_chunk(generation, stats))
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(generation, stats))

@@ -17,6 +17,9 @@
 #  * llama.cpp's CMakeLists forces its `llama-common` helper library on; the Python
 #    package never uses it and it is half the build time. A CMake project-include file
 #    switches it off (written below, nothing is downloaded).
+#  * The sdist is patched before it is built: scripts/llama_cpp_patches/*.patch, our own
+#    changes to the llama.cpp it vendors (why, in each patch's header and the folder's
+#    README). Their hash is part of the cache key.
 #  * ggml's RPC backend is built in (-DGGML_RPC=ON, libggml-rpc.so beside the others): a
 #    target's layers split over other machines' servers and `minions-rpc-server` is this
 #    same library (backends/llama_rpc.py). Its RDMA transport stays off: it would link
@@ -41,7 +44,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
 
 # The flags are part of the cache key: a wheel built with other flags is a different wheel.
 RPC_FLAGS="-DGGML_RPC=ON -DGGML_RPC_RDMA=OFF"
-FLAGS_TAG="$CPU_TAG-nocommon-rpc"
+PATCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/llama_cpp_patches"
+PATCHES=("$PATCH_DIR"/*.patch)
+PATCH_TAG="$(cat "${PATCHES[@]}" | sha256sum | cut -c1-8)"
+FLAGS_TAG="$CPU_TAG-nocommon-rpc-p$PATCH_TAG"
 if [ -n "${EXTRA_CMAKE_ARGS:-}" ]; then
     FLAGS_TAG="$FLAGS_TAG-$(printf '%s' "$EXTRA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
 fi
@@ -60,8 +66,25 @@ set(LLAMA_BUILD_COMMON OFF)
 EOF
     echo "building llama-cpp-python $VERSION into $CACHE_DIR (takes a few minutes)" >&2
     start=$(date +%s)
+    # The sdist (from the index, or LLAMA_CPP_SOURCE), unpacked and patched in a scratch folder.
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    sdist="${LLAMA_CPP_SOURCE:-}"
+    if [ -z "$sdist" ]; then
+        "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/dl" >&2
+        sdist="$(ls "$work"/dl/llama_cpp_python-*.tar.gz)"
+    fi
+    if [ -d "$sdist" ]; then
+        cp -r "$sdist" "$work/src"
+    else
+        mkdir "$work/src"
+        tar xzf "$sdist" -C "$work/src" --strip-components=1
+    fi
+    for p in "${PATCHES[@]}"; do
+        patch -p1 --forward --quiet -d "$work/src" < "$p"
+    done
     CMAKE_ARGS="-DGGML_NATIVE=OFF $CPU_FLAGS $RPC_FLAGS -DCMAKE_PROJECT_llama.cpp_INCLUDE=$include_file ${EXTRA_CMAKE_ARGS:-}" \
-        "$PYTHON" -m pip wheel --no-cache-dir --no-deps "${LLAMA_CPP_SOURCE:-llama-cpp-python==$VERSION}" -w "$CACHE_DIR"
+        "$PYTHON" -m pip wheel --no-cache-dir --no-deps "$work/src" -w "$CACHE_DIR"
     echo "built in $(( $(date +%s) - start )) s" >&2
     wheels=("$CACHE_DIR"/llama_cpp_python-"$VERSION"-*.whl)
     if (( ${#wheels[@]} == 0 )); then

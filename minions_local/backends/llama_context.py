@@ -93,8 +93,10 @@ def import_llama_cpp() -> Any:
         # (llama_target.py). ggml multiplies K-quant and I-quant weights with its tiled kernel
         # from 8 rows and with `vec_dot` below: each is row-invariant, but they round apart,
         # so the tiled kernel is taken at every row count. It is also the faster of the two
-        # for the passes a target runs (an 8B-shaped Q4_K_M on 2 AVX-512 cores: 16 rows 1.0 s
-        # against 1.7-2.4, 63 rows 2.3-2.6 s against 7-8; a lone row 0.8-1.0 s against 0.2).
+        # for the trees a target runs (an 8B-shaped Q4_K_M on 2 AVX-512 cores: 16 rows 1.0 s
+        # against 1.7-2.4, 63 rows 2.3-2.6 s against 7-8). The wheel our build script makes
+        # patches it for few rows (scripts/llama_cpp_patches/): on VNNI CPUs a lone row then
+        # takes 0.25 s (unpatched 0.9, `vec_dot` 0.2) and 4 rows 0.52, with the same bits.
         # ggml reads the switches once, at the process's first matmul, so they are set before
         # anything runs, for the minions too (weights a minion repacks are not affected).
         os.environ.setdefault("GGML_CPU_TILED_MM", "1")

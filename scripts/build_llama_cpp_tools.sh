@@ -21,7 +21,7 @@
 #        --print-dir: print the bin folder it would use, build nothing.
 # Env:   MINIONS_TOOLS_CACHE  cache folder (default ~/.cache/minions-local/tools)
 #        PYTHON               interpreter whose pip downloads the sdist (default python)
-#        LLAMA_CPP_SOURCE     build from this local llama-cpp-python sdist (.tar.gz) instead
+#        LLAMA_CPP_SOURCE     build from this local llama-cpp-python sdist (.tar.gz or unpacked folder) instead
 #                             of downloading it from the index (offline)
 #        MINIONS_LLAMA_CPU    "portable": no CPU extensions beyond AVX2 (default: this CPU's)
 #        JOBS                 parallel compile jobs (default 2)
@@ -39,6 +39,7 @@ JOBS="${JOBS:-2}"
 
 # ggml's x86 extensions this CPU has (AMX left out on purpose).
 source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_sdist.sh"
 
 TOOLS_DIR="$CACHE_ROOT/llama.cpp-$VERSION-$CPU_TAG"
 BIN_DIR="$TOOLS_DIR/bin"
@@ -65,19 +66,8 @@ mkdir -p "$TOOLS_DIR"
 WORK="$(mktemp -d "$TOOLS_DIR/.build-XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
-if [ -n "${LLAMA_CPP_SOURCE:-}" ]; then
-    sdist="$LLAMA_CPP_SOURCE"
-else
-    echo "downloading the llama-cpp-python $VERSION sdist" >&2
-    "$PYTHON" -m pip download --no-deps --no-binary :all: --no-cache-dir "llama-cpp-python==$VERSION" -d "$WORK" >&2
-    sdist="$(ls "$WORK"/llama_cpp_python-"$VERSION".tar.gz)"
-fi
-tar xzf "$sdist" -C "$WORK"
-SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
-if [ ! -f "$SRC/CMakeLists.txt" ]; then
-    echo "error: no vendor/llama.cpp in $sdist" >&2
-    exit 1
-fi
+unpack_llama_cpp_sdist "$VERSION" "$WORK/sdist"
+SRC="$WORK/sdist/vendor/llama.cpp"
 
 echo "building llama.cpp tools ($VERSION, $CPU_TAG) into $BIN_DIR with -j$JOBS (takes several minutes)" >&2
 start=$(date +%s)

@@ -31,7 +31,7 @@
 #        PYTHON               interpreter to install into (default python)
 #        EXTRA_CMAKE_ARGS     more llama.cpp flags, e.g. "-DGGML_CUDA=ON" for GPU minions
 #                             (a wheel of its own in the cache: the flags are in its key)
-#        LLAMA_CPP_SOURCE     build from this local sdist instead of the index (offline)
+#        LLAMA_CPP_SOURCE     build from this local sdist (.tar.gz or unpacked folder) instead of the index (offline)
 #        MINIONS_LLAMA_CPU    "portable": no CPU extensions beyond AVX2 (default: this CPU's)
 set -euo pipefail
 
@@ -41,6 +41,7 @@ CACHE_ROOT="${MINIONS_WHEEL_CACHE:-$HOME/.cache/minions-local/wheels}"
 
 # ggml's x86 extensions this CPU has (AMX left out on purpose).
 source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_cpu.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/llama_cpp_sdist.sh"
 
 # The flags are part of the cache key: a wheel built with other flags is a different wheel.
 RPC_FLAGS="-DGGML_RPC=ON -DGGML_RPC_RDMA=OFF"
@@ -69,17 +70,7 @@ EOF
     # The sdist (from the index, or LLAMA_CPP_SOURCE), unpacked and patched in a scratch folder.
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
-    sdist="${LLAMA_CPP_SOURCE:-}"
-    if [ -z "$sdist" ]; then
-        "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/dl" >&2
-        sdist="$(ls "$work"/dl/llama_cpp_python-*.tar.gz)"
-    fi
-    if [ -d "$sdist" ]; then
-        cp -r "$sdist" "$work/src"
-    else
-        mkdir "$work/src"
-        tar xzf "$sdist" -C "$work/src" --strip-components=1
-    fi
+    unpack_llama_cpp_sdist "$VERSION" "$work/src"
     for p in "${PATCHES[@]}"; do
         patch -p1 --forward --quiet -d "$work/src" < "$p"
     done

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.tree import tree_attention_mask
@@ -75,6 +74,8 @@ def load_config(path: Path, role: str):
     """The folder's config, refused (naming config.json and the numbers) when it does not
     describe the weights beside it; a damaged weights file is named here too."""
     try:
+        from transformers import AutoConfig  # here: its import is half a second of every load
+
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'} cannot be used ({role}): {e}. Restore the config.json that "
@@ -104,6 +105,8 @@ def load_causal_lm(path: str | Path, role: str, dtype: torch.dtype | None, devic
     config = load_config(path, role)
     extra = _bitsandbytes_options(quantization, dtype, device, role)
     try:
+        from transformers import AutoModelForCausalLM
+
         model, report = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype if dtype is not None else "auto", local_files_only=True, attn_implementation="sdpa",
             output_loading_info=True, **extra)
@@ -161,14 +164,14 @@ class CachedModel(SlotStates):
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
-        self.cache = DynamicCache()
+        self.cache = _dynamic_cache()
         self.cached: list[int] = []
 
     def fresh_slot_state(self) -> dict:
-        return super().fresh_slot_state() | {"cache": DynamicCache(), "cached": []}
+        return super().fresh_slot_state() | {"cache": _dynamic_cache(), "cached": []}
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache = _dynamic_cache()
         self.cached = []
 
     @property
@@ -267,3 +270,9 @@ class CachedModel(SlotStates):
         if len(hidden) > 1:
             self.last_hidden = torch.cat(hidden)
         return logits
+
+
+def _dynamic_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()

@@ -15,6 +15,7 @@ The verdict is kept in the user cache by file (size, mtime), llama.cpp build and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,11 +68,22 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         layers = len(layer_tiers)
         streamer = PageCacheStreamer(model.paths, layer_spans(model.files, layers),
                                      resident={i for i, t in enumerate(layer_tiers) if t == "device"}, window=window)
-    if _cached_verdict(model.paths) is None:
-        verdict = _check_cut(model, llama_cache_cells(n_ctx), threads, progress)
-        if verdict is not None:
-            _store_verdict(model.paths, verdict)
-    target = _open(model, n_ctx=llama_cache_cells(n_ctx), threads=threads, streamer=streamer)
+    cells = llama_cache_cells(n_ctx)
+
+    def open_target() -> LlamaTarget:
+        return _open(model, n_ctx=cells, threads=threads, streamer=streamer)
+
+    entry, target = _cached_entry(model.paths), None
+    if entry is None:
+        # All of it in memory: llama.cpp reads the file while the CPU checks the cut. (A
+        # streamed target loads after: the cut's memory must be gone before it maps.)
+        entry, target = _check_cut(model, cells, threads, progress, meanwhile=open_target if streamer is None else None)
+        if entry is not None:
+            _store_entry(model.paths, entry)
+    if target is None:
+        target = open_target()
+    if streamer is None and entry and entry.get("shape"):
+        target.pass_shape = [(int(n), float(t)) for n, t in entry["shape"]]
     try:
         verdict = _checked(target, model.paths, progress)
         if verdict:
@@ -100,28 +112,50 @@ def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, 
     return verdict
 
 
-def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress | None) -> str | None:
-    """rows_differ on a cut of the model (llama_check_model.py) before the model itself
-    loads (the cut's memory is freed by then); None where no cut is smaller than the
-    model or llama.cpp cannot load it (the whole model is then checked)."""
+def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
+               meanwhile: Callable[[], LlamaTarget] | None = None) -> tuple[dict[str, Any] | None, Any]:
+    """rows_differ on a cut of the model (llama_check_model.py), and the cut's passes timed
+    at the cost model's sizes: ({"verdict": ..., "shape": [(draft nodes, seconds), ...]},
+    what `meanwhile` returned). `meanwhile` (the model's own load, mostly reading its file)
+    runs in a thread while the cut's rows are checked, once the cut is loaded (llama.cpp's load logs
+    what the plan reads: the two loads' lines must not mix). (None, None) where no cut is
+    smaller than the model or llama.cpp cannot load it: the whole model is then checked,
+    and `meanwhile` has not run."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from minions_local.backends.llama_check_model import covering_layers, cut_model_path
     from minions_local.backends.llama_rows import has_lone_row_types
+    from minions_local.speculation.calibration import time_pass_shape
 
     layers = covering_layers(model)
     if not layers or len(layers) >= (_metadata_int(model.metadata, f"{model.architecture}.block_count") or 0):
-        return None
+        return None, None
     if progress:
         progress(LoadProgress("target", "ram", 0, model.size,
                               f"checking that its rows are exact (on {len(layers)} of its layers)"))
-    try:
-        with cut_model_path(model, layers) as path, log_lines(hold_errors=True):
+    with contextlib.ExitStack() as stack:
+        try:
+            path = stack.enter_context(cut_model_path(model, layers))
+            stack.enter_context(log_lines(hold_errors=True))
             cut = LlamaTarget(path, n_ctx=n_ctx, threads=threads, lone_rows=not has_lone_row_types(model.path))
+        except (ModelLoadError, OSError, ValueError):
+            return None, None
+        stack.callback(cut.close)
+        with ThreadPoolExecutor(1, thread_name_prefix="minions-load") as pool:
+            loading = pool.submit(meanwhile) if meanwhile is not None else None
             try:
-                return rows_differ(cut)
-            finally:
-                cut.close()
-    except (ModelLoadError, OSError, ValueError):
-        return None
+                verdict = rows_differ(cut)
+                target = loading.result() if loading is not None else None
+            except BaseException:
+                if loading is not None and loading.exception() is None:
+                    loading.result().close()
+                raise
+        try:  # timed alone: beside the load's reads a 5-row pass took 3.0 1-row passes, not 2.6
+            return {"verdict": verdict, "shape": [] if verdict else time_pass_shape(cut)}, target
+        except BaseException:
+            if target is not None:
+                target.close()
+            raise
 
 
 def _load_split(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
@@ -238,19 +272,31 @@ def _verdicts_file() -> Path:
 
 
 def _cached_verdict(paths: list[Path], split: str = "") -> str | None:
+    entry = _cached_entry(paths, split)
+    return None if entry is None else entry["verdict"]
+
+
+def _cached_entry(paths: list[Path], split: str = "") -> dict[str, Any] | None:
+    """What the check found for these files here: {"verdict": '' or what differed,
+    "shape": the cut's timed passes, when a cut was checked}."""
     try:
-        return json.loads(_verdicts_file().read_text()).get(_verdict_key(paths, split))
+        entry = json.loads(_verdicts_file().read_text()).get(_verdict_key(paths, split))
     except (OSError, ValueError):
         return None
+    return {"verdict": entry} if isinstance(entry, str) else entry if isinstance(entry, dict) else None
 
 
 def _store_verdict(paths: list[Path], verdict: str, split: str = "") -> None:
+    _store_entry(paths, {"verdict": verdict}, split)
+
+
+def _store_entry(paths: list[Path], entry: dict[str, Any], split: str = "") -> None:
     file = _verdicts_file()
     try:
         known = json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
         known = {}
-    known[_verdict_key(paths, split)] = verdict
+    known[_verdict_key(paths, split)] = entry
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")

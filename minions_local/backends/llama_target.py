@@ -146,6 +146,10 @@ class LlamaTarget(SlotStates):
         """(rows - 1, seconds) of its first passes (those of the exactness check at load,
         llama_load.rows_differ): the cost model's timed samples, at no further pass. None
         where a new shape's first pass costs more than decoding pays (new_shapes_cost_more)."""
+        self.pass_shape: list[tuple[int, float]] = []
+        """(draft nodes, seconds) of a cut of this model's passes (llama_check_model.py),
+        set by the load when the whole model is in memory: calibration scales them to its
+        own 1-token pass (time_verify_by_shape)."""
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())

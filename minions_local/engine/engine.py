@@ -28,7 +28,7 @@ from minions_local.core.errors import (ContextOverflowError, EngineBusyError, Ge
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
 from minions_local.engine.loading import as_policy, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
-from minions_local.speculation.calibration import calibrate_policy
+from minions_local.speculation.calibration import calibrate_policy, time_verify_by_shape
 from minions_local.speculation.decode import Decoder, StepResult, snapshot
 from minions_local.engine import request
 from minions_local.engine.reply import PreparedRequest
@@ -131,11 +131,16 @@ class Engine:
         # The minions' and the target's real price per pass.
         # A llama.cpp target that checked its rows at load timed passes of several sizes
         # doing so: at 8B under a memory limit each pass is seconds, none is run again.
+        # A llama.cpp target in memory whose cut was timed (llama_load.py) runs two 1-token
+        # passes, scaled by the cut's shape (calibration.time_verify_by_shape).
         on_llama = isinstance(target_model, LlamaTarget)
+        timed = target_model.first_passes if on_llama else ()
+        if on_llama and len({n for n, _ in timed}) < 3 and getattr(target_model, "pass_shape", None) and loaded:
+            timed = time_verify_by_shape(target_model, target_model.pass_shape)
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
                          target_warm_up=not on_llama,
                          target_repeats=2 if on_llama and target_model.new_shapes_cost_more else 1,
-                         target_timed=target_model.first_passes if on_llama else ())
+                         target_timed=timed)
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from minions_local.core.errors import ModelLoadError
 from minions_local.offload.checkpoint import Checkpoint
@@ -20,6 +19,8 @@ from minions_local.offload.checkpoint import Checkpoint
 
 def skeleton_model(folder: Path, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
     """The model with every parameter and buffer on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # here: half a second of every engine's import
+
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:

@@ -67,7 +67,7 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if layer_tiers and any(t != "device" for t in layer_tiers):
         layers = len(layer_tiers)
         streamer = PageCacheStreamer(model.paths, layer_spans(model.files, layers),
-                                     resident={i for i, t in enumerate(layer_tiers) if t == "device"}, window=window)
+                                     resident=spread_resident(layers, layer_tiers.count("device")), window=window)
     cells = llama_cache_cells(n_ctx)
 
     def open_target() -> LlamaTarget:
@@ -110,6 +110,19 @@ def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, 
         verdict = rows_differ(target)
         _store_verdict(paths, verdict, split)
     return verdict
+
+
+def spread_resident(layers: int, resident: int) -> set[int]:
+    """Which `resident` of `layers` layers stay in memory: the plan counts them, the loader
+    places them, with the streamed ones spread evenly between. Streamed last, as the plan
+    lists them, a tree pass computed the resident layers with nothing to read, then
+    waited on the disk layer after layer (the reads run at most `window` layers ahead);
+    spread, each streamed layer's read overlaps the resident layers computed before it:
+    at 3.5 GB for the 8B-shaped Q4_K_M (2-core EPYC, 1.1 GB/s reads, 6.0 tokens a pass
+    both ways), 4.02 tok/s against 3.28 streamed last."""
+    streamed = layers - resident
+    return set(range(layers)) - {int((k + 0.5) * layers / streamed) for k in range(streamed)} if streamed else \
+        set(range(layers))
 
 
 def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,

@@ -101,3 +101,14 @@ def test_a_split_minion_is_named_by_any_shard(model):
     engine = Engine.from_pretrained(whole, [str(first.with_name("model-00002-of-00002.gguf"))], budget=4)
     assert engine.minion_names == ["model-00001-of-00002"]  # llama.cpp loads it from its first shard
     assert len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
+
+
+def test_streamed_layers_are_spread_between_the_resident_ones():
+    from minions_local.backends.llama_load import spread_resident
+
+    assert spread_resident(32, 32) == set(range(32)) and spread_resident(4, 0) == set()
+    resident = spread_resident(32, 19)
+    streamed = sorted(set(range(32)) - resident)
+    assert len(resident) == 19 and len(streamed) == 13
+    assert max(b - a for a, b in zip(streamed, streamed[1:])) <= 3  # no run of resident layers longer than 2
+    assert streamed[0] <= 2 and streamed[-1] >= 29

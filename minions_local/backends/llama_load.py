@@ -42,7 +42,8 @@ CHECK_VERSION = 3
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
                       layer_tiers: list[str] | None = None, window: int = 2,
-                      progress: Progress | None = None, rpc: dict[str, Any] | None = None
+                      progress: Progress | None = None, rpc: dict[str, Any] | None = None,
+                      time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None = None
                       ) -> tuple[LlamaTarget, LlamaVocab]:
     """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
     to do when the file is not a usable model or its rows would not be exact here.
@@ -77,7 +78,8 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if entry is None:
         # All of it in memory: llama.cpp reads the file while the CPU checks the cut. (A
         # streamed target loads after: the cut's memory must be gone before it maps.)
-        entry, target = _check_cut(model, cells, threads, progress, meanwhile=open_target if streamer is None else None)
+        entry, target = _check_cut(model, cells, threads, progress, time_shape,
+                                   meanwhile=open_target if streamer is None else None)
         if entry is not None:
             _store_entry(model.paths, entry)
     if target is None:
@@ -126,6 +128,7 @@ def spread_resident(layers: int, resident: int) -> set[int]:
 
 
 def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
+               time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None = None,
                meanwhile: Callable[[], LlamaTarget] | None = None) -> tuple[dict[str, Any] | None, Any]:
     """rows_differ on a cut of the model (llama_check_model.py), and the cut's passes timed
     at the cost model's sizes: ({"verdict": ..., "shape": [(draft nodes, seconds), ...]},
@@ -138,7 +141,6 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
 
     from minions_local.backends.llama_check_model import covering_layers, cut_model_path
     from minions_local.backends.llama_rows import has_lone_row_types
-    from minions_local.speculation.calibration import time_pass_shape
 
     layers = covering_layers(model)
     if not layers or len(layers) >= (_metadata_int(model.metadata, f"{model.architecture}.block_count") or 0):
@@ -164,7 +166,7 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
                     loading.result().close()
                 raise
         try:  # timed alone: beside the load's reads a 5-row pass took 3.0 1-row passes, not 2.6
-            return {"verdict": verdict, "shape": [] if verdict else time_pass_shape(cut)}, target
+            return {"verdict": verdict, "shape": time_shape(cut) if time_shape and not verdict else []}, target
         except BaseException:
             if target is not None:
                 target.close()

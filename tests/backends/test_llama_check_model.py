@@ -90,7 +90,9 @@ def test_a_new_file_is_checked_on_its_cut_and_keeps_its_timed_shape(mixed, cache
     from minions_local.backends import llama_check_model
     from minions_local.backends.llama_load import load_llama_target
 
-    target, _ = load_llama_target(mixed, context_tokens=512, threads=2)
+    from minions_local.speculation.calibration import time_pass_shape
+
+    target, _ = load_llama_target(mixed, context_tokens=512, threads=2, time_shape=time_pass_shape)
     assert target.first_passes == []  # not one pass of the whole model at load
     assert [n for n, _ in target.pass_shape] == [0, 4, 24] and all(t > 0 for _, t in target.pass_shape)
     shape = target.pass_shape
@@ -102,7 +104,7 @@ def test_a_new_file_is_checked_on_its_cut_and_keeps_its_timed_shape(mixed, cache
         yield
 
     monkeypatch.setattr(llama_check_model, "cut_model_path", no_cut)
-    again, _ = load_llama_target(mixed, context_tokens=512, threads=2)
+    again, _ = load_llama_target(mixed, context_tokens=512, threads=2, time_shape=time_pass_shape)
     assert again.pass_shape == shape and again.first_passes == []
     again.close()
 
@@ -129,7 +131,7 @@ def test_the_cut_catches_a_kernel_chosen_by_row_count(mixed):
     # rows and its tiled kernel above for K-quants; the cut runs those kernels too.
     code = ("import sys\nfrom minions_local.backends.llama_load import _check_cut\n"
             "from minions_local.models.gguf_file import read_model\n"
-            "print(repr(_check_cut(read_model(sys.argv[1]), 2048, 2, None)[0]['verdict']))")
+            "print(repr(_check_cut(read_model(sys.argv[1]), 2048, 2, None)[0]['verdict']))")  # no shape timed
     env = {**os.environ, "GGML_CPU_TILED_MM_FORCE": "0"}
     out = subprocess.run([sys.executable, "-c", code, str(mixed)], env=env, capture_output=True, text=True,
                          timeout=300)

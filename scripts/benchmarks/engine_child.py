@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     network = getattr(engine.decoder.target, "network_counters", lambda: (0, 0, 0))
     chats = []
     read_before = proc_io_bytes()
+    streamed_before = engine.decoder.target.bytes_streamed()  # the load's passes streamed too
     for messages in json.loads(Path(args.prompts).read_text()):
         engine.reset()
         before = network()
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     out = {
         "load_seconds": load, "chats": chats, "minions": engine.minion_names,
         "plan": engine.memory_plan_text(),
-        "bytes_streamed": target.bytes_streamed(),
+        "bytes_streamed": target.bytes_streamed() - streamed_before,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "disk_read": proc_io_bytes() - read_before,
         "disk_written": proc_io_bytes("write_bytes"),

@@ -74,7 +74,15 @@ class VerifyTime:
         if root_only:
             prior = self.single if self.single is not None else self(0)
             single = fit_constant(root_only, prior, weight, sum(root_only) / len(root_only))
-        return VerifyTime(*line, single=single)
+        flat, base, slope = line
+        if single is not None and flat > single:
+            # The floor is reading the weights, which a 1-row pass does too: it cannot cost more
+            # than that pass. A prior from the profile's bandwidth can (the 8B-shaped GGUF on a
+            # 2-core EPYC: flat 0.58 s from cpu-demo's bandwidth, 1 row measured 0.23 s), and
+            # with passes timed only at 5 and 25 rows nothing pulled it down: trees of 2-7
+            # nodes were priced at 0.58 s where they took 0.30-0.50, and the policy read alone.
+            flat = single
+        return VerifyTime(flat, base, slope, single=single)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ every kernel the whole model runs, at the same shapes and rows, for a fraction o
 pass: two layers of 32 (~0.4 GB of 4.35) on the 8B.
 
 The copy lives in memory (a memfd) for the check's few seconds and is never written to
-disk (issue 36: no disk copy of the user's file). Where a model cannot be cut this way
+disk (issue 36: no disk copy of the user's file); only where the OS has no memfd (not
+Linux) is it a temporary file, removed after the check. Where a model cannot be cut this way
 (per-layer metadata arrays, layer patterns keyed by index: llama.cpp refuses the cut
 model), the caller checks the whole model instead.
 """
@@ -22,7 +23,6 @@ model), the caller checks the whole model instead.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import struct
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from minions_local.models.gguf_file import _ARRAY, _SCALARS, _STRING, MAGIC, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS
+from minions_local.models.gguf_file import _SCALARS, MAGIC, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS
 
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 _COPY_CHUNK = 16 << 20
@@ -54,48 +54,24 @@ def covering_layers(model: Any) -> list[int]:
     return sorted(chosen)
 
 
-def _value_end(buf: memoryview, pos: int, kind: int) -> int:
-    """Where a metadata value of type `kind` starting at `pos` ends."""
-    if kind in _SCALARS:
-        return pos + struct.calcsize(_SCALARS[kind])
-    if kind == _STRING:
-        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-    if kind == _ARRAY:
-        inner, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if inner in _SCALARS:
-            return pos + count * struct.calcsize(_SCALARS[inner])
-        for _ in range(count):
-            pos = _value_end(buf, pos, inner)
-        return pos
-    raise ValueError(f"unknown metadata value type {kind}")
-
-
-def _metadata_bytes(path: Path, block_key: str, layers: int) -> tuple[bytes, int]:
-    """The file's metadata section as it is, with `block_key` set to `layers` and the
-    split keys left out (the cut model is one file): (bytes, how many pairs)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = memoryview(mm)
-        try:
-            n_meta = struct.unpack_from("<Q", buf, 16)[0]
-            pos, out, pairs = 24, bytearray(), 0
-            for _ in range(n_meta):
-                begin = pos
-                n = struct.unpack_from("<Q", buf, pos)[0]
-                key = bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8")
-                kind = struct.unpack_from("<I", buf, pos + 8 + n)[0]
-                value_at = pos + 12 + n
-                pos = _value_end(buf, value_at, kind)
-                if key in (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS):
-                    continue
-                pairs += 1
-                if key == block_key:
-                    out += bytes(buf[begin:value_at]) + struct.pack(_SCALARS[kind], layers)
-                else:
-                    out += bytes(buf[begin:pos])
-            return bytes(out), pairs
-        finally:
-            buf.release()
+def _metadata_bytes(file: Any, block_key: str, layers: int) -> tuple[bytes, int]:
+    """The file's metadata pairs as they are (gguf_file.GGUFFile.metadata_spans), with
+    `block_key`'s value set to `layers` and the split keys left out (the cut model is one
+    file): (bytes, how many pairs)."""
+    spans = {k: v for k, v in file.metadata_spans.items() if k not in (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)}
+    first = min(start for start, _, _ in file.metadata_spans.values())
+    last = max(end for _, _, end in file.metadata_spans.values())
+    with open(file.path, "rb") as f:
+        f.seek(first)
+        raw = f.read(last - first)
+    out = bytearray()
+    for key, (start, value_start, end) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        if key == block_key:
+            kind = struct.unpack_from("<I", raw, value_start - 4 - first)[0]
+            out += raw[start - first:value_start - first] + struct.pack(_SCALARS[kind], layers)
+        else:
+            out += raw[start - first:end - first]
+    return bytes(out), len(spans)
 
 
 def write_cut_model(model: Any, layers: list[int], out: Any) -> int:
@@ -115,7 +91,7 @@ def write_cut_model(model: Any, layers: list[int], out: Any) -> int:
     if any(t.nbytes is None for _, t, _ in keep):
         raise ValueError("a tensor of a type this reader cannot size")
     alignment = first.metadata.get("general.alignment", 32)
-    meta, pairs = _metadata_bytes(first.path, f"{first.architecture}.block_count", len(layers))
+    meta, pairs = _metadata_bytes(first, f"{first.architecture}.block_count", len(layers))
     infos, offset, offsets = bytearray(), 0, []
     for name, t, _ in keep:
         encoded = name.encode("utf-8")

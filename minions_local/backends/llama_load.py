@@ -86,8 +86,8 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         target = open_target()
     if streamer is None and entry and entry.get("shape"):
         target.pass_shape = [(int(n), float(t)) for n, t in entry["shape"]]
-    try:
-        verdict = _checked(target, model.paths, progress)
+    try:  # the verdict found above (cached, or the cut's), else the whole model's
+        verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress)
         if verdict:
             raise ModelLoadError(
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "

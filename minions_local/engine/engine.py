@@ -135,7 +135,7 @@ class Engine:
         # passes, scaled by the cut's shape (calibration.time_verify_by_shape).
         on_llama = isinstance(target_model, LlamaTarget)
         timed = target_model.first_passes if on_llama else ()
-        if on_llama and len({n for n, _ in timed}) < 3 and getattr(target_model, "pass_shape", None) and loaded:
+        if on_llama and target_model.pass_shape and loaded:  # (then no pass of the model ran: first_passes is empty)
             timed = time_verify_by_shape(target_model, target_model.pass_shape)
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
                          target_warm_up=not on_llama,

@@ -26,7 +26,7 @@ import os
 import re
 import struct
 from functools import cached_property, lru_cache
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,9 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_offset: int
     size: int
+    metadata_spans: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Per metadata key, where its pair lies in the file: (start, value start, end), so
+    that a pair can be copied as it is (llama_check_model.py writes a cut of the file)."""
 
     @property
     def architecture(self) -> str:
@@ -162,10 +165,14 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             n_tensors, n_meta = cur.scalar("<Q"), cur.scalar("<Q")
             if n_tensors > size or n_meta > size:
                 raise _damaged(path, "the header's counts are larger than the file")
-            metadata = {}
+            metadata, spans = {}, {}
             for _ in range(n_meta):
+                start = f.tell()
                 key = cur.string()
-                metadata[key] = cur.value(cur.scalar("<I"))
+                kind = cur.scalar("<I")
+                value_start = f.tell()
+                metadata[key] = cur.value(kind)
+                spans[key] = (start, value_start, f.tell())
             raw = []
             for _ in range(n_tensors):
                 name = cur.string()
@@ -197,7 +204,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             if data_offset + offset + nbytes > size:
                 raise _damaged(path, f"tensor {name} lies past the end of the file ({size} bytes; truncated)")
         tensors[name] = TensorInfo(name, kind, shape, data_offset + offset, nbytes)
-    return GGUFFile(path, version, metadata, tensors, data_offset, size)
+    return GGUFFile(path, version, metadata, tensors, data_offset, size, spans)
 
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"

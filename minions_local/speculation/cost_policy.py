@@ -58,7 +58,12 @@ class CostModelBudget(BudgetPolicy):
     probe_every: int = 16
     """When no tree pays (min_nodes = 0 lets the model say so), one step in this many
     still grows the best small tree: otherwise nothing would be measured again, and a
-    stretch of text the minions predict well (a repeated code block) would go unseen."""
+    stretch of text the minions predict well (a repeated code block) would go unseen.
+    Until a refit has fitted a regime's rate, its steps probe: the rate is still the
+    `acceptance` guess (on the 8B-shaped GGUF in RAM with a SmolLM2 minion, the guess
+    kept a first chat's first 15 passes tree-less, 3 s of its 9.5, where the first
+    probe then measured trees worth 1.3x a lone token), and one tree alone would
+    measure it poorly."""
     _prior: CostModel | None = field(default=None, repr=False)
     _steps: deque = field(default_factory=deque, repr=False)
     """Recent (record, the budget that step was given)."""
@@ -80,6 +85,8 @@ class CostModelBudget(BudgetPolicy):
     _last: StepBudget | None = field(default=None, repr=False)
     _idle: int = 0
     """Steps in a row at zero nodes (see probe_every)."""
+    _fitted: set = field(default_factory=set, repr=False)
+    """Regimes whose rate a refit has fitted (see probe_every)."""
     grow_groups: dict = field(default_factory=dict)
     """Per minion that grows a batch's trees in shared passes: requests one pass holds
     (price_batch_grows)."""
@@ -125,7 +132,10 @@ class CostModelBudget(BudgetPolicy):
                 budgets = [self._plain(len(mix))] * len(mix)
         elif any(cap for cap, _, _ in mix):
             self._idle += 1
-            if self._idle >= self.probe_every:  # nothing pays: measure again now and then (see probe_every)
+            # A regime with a guessed rate probes now, where the probe makes no prompt be read
+            # for it (a lone request is probed however it stands, as every probe_every).
+            unmeasured = any(cap and (not read or len(mix) == 1) and self._guessed(regime) for cap, regime, read in mix)
+            if self._idle >= self.probe_every or unmeasured:  # measure now and then (see probe_every)
                 self._idle = 0
                 # Probes measure acceptance, and a handful of trees measures it far
                 # better than one: every request whose minions have read its context
@@ -140,6 +150,10 @@ class CostModelBudget(BudgetPolicy):
         for i, budget in zip(order, budgets):
             out[i] = budget
         return out
+
+    def _guessed(self, regime: str) -> bool:
+        """The regime's rate is still the starting guess (no refit fitted it, nor did a caller)."""
+        return regime not in self._fitted and self.rates[regime] == self.acceptance
 
     def _plain(self, requests: int) -> StepBudget:
         """No tree, in a pass `requests` requests share."""
@@ -320,6 +334,7 @@ class CostModelBudget(BudgetPolicy):
             else:
                 self.rates[regime] = calibrate_acceptance([(r.tree_size, r.depth, r.accepted) for r in mine],
                                                           self.top_k, self.decays[regime])
+        self._fitted |= self._stale
         self._stale.clear()
         self._chosen.clear()
 

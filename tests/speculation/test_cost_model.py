@@ -340,13 +340,25 @@ def test_rank_trials_read_the_verified_tree():
 def test_when_no_tree_pays_the_policy_decodes_alone_and_probes_now_and_then():
     """Verifying is compute-bound and growing costs more than it saves: min_nodes = 0
     lets the policy say so, and one step in probe_every still grows, so a stretch the
-    minions predict well can win the trees back."""
+    minions predict well can win the trees back. Until the first refit every step probes:
+    the acceptance is still a guess (and one regime's trees do not measure another's)."""
     prior = CostModel(VerifyTime(flat=0.02, base=0.02, slope=0.002), (GrowTime("m", 0.012, 0.0005),))
-    policy = CostModelBudget(prior, min_nodes=0, max_nodes=64, max_depth=8, acceptance=0.5, probe_every=8)
-    chosen = [policy.choose(1000).nodes for _ in range(32)]
-    assert chosen.count(0) == 28 and all(chosen[i] > 0 for i in (7, 15, 23, 31))
-    # The probes find the minion right every time: trees pay again.
-    for _ in range(16):
+    policy = CostModelBudget(prior, min_nodes=0, max_nodes=64, max_depth=8, acceptance=0.5, probe_every=8,
+                             window=8)
+    chosen = []
+    for _ in range(32):  # the minion is never right
+        b = policy.choose(1000)
+        chosen.append(b.nodes)
+        policy.observe(StepRecord(tree_size=b.nodes, accepted=0, t_grow=prior.t_grow(b.nodes, b.depth),
+                                  t_verify=prior.t_verify(b.nodes), depth=b.depth,
+                                  minion_t_grow={"m": prior.t_grow(b.nodes, b.depth)} if b.nodes else {},
+                                  rank_trials=[(1, 1, 0)] if b.nodes else []))
+    assert chosen[:8] == [chosen[0]] * 8 and chosen[0] > 0  # until the first refit (refit_every)
+    assert chosen[8:].count(0) == 21 and all(chosen[i] > 0 for i in (15, 23, 31))
+    assert policy.choose(1000, "sampled").nodes > 0
+    # The probes find the minion right every time: trees pay again once they outweigh the
+    # misses in the window.
+    for _ in range(56):
         b = policy.choose(1000)
         grow = prior.t_grow(b.nodes, b.depth)
         policy.observe(StepRecord(tree_size=b.nodes, accepted=b.depth, t_grow=grow, t_verify=prior.t_verify(b.nodes),

@@ -85,7 +85,10 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if target is None:
         target = open_target()
     if streamer is None and entry and entry.get("shape"):
-        target.pass_shape = [(int(n), float(t)) for n, t in entry["shape"]]
+        from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
+
+        scale = pass_bytes_ratio(model, covering_layers(model))  # the cut's times, at the model's size
+        target.pass_shape = [(int(n), float(t) * scale) for n, t in entry["shape"]]
     try:  # the verdict found above (cached, or the cut's), else the whole model's
         verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress)
         if verdict:

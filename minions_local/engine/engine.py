@@ -28,7 +28,7 @@ from minions_local.core.errors import (ContextOverflowError, EngineBusyError, Ge
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
 from minions_local.engine.loading import as_policy, load_minion, load_target, unique_names
 from minions_local.speculation.budget import AdaptiveDepth, BudgetPolicy, FixedBudget
-from minions_local.speculation.calibration import calibrate_policy, time_verify_by_shape
+from minions_local.speculation.calibration import calibrate_policy
 from minions_local.speculation.decode import Decoder, StepResult, snapshot
 from minions_local.engine import request
 from minions_local.engine.reply import PreparedRequest
@@ -131,12 +131,12 @@ class Engine:
         # The minions' and the target's real price per pass.
         # A llama.cpp target that checked its rows at load timed passes of several sizes
         # doing so: at 8B under a memory limit each pass is seconds, none is run again.
-        # A llama.cpp target in memory whose cut was timed (llama_load.py) runs two 1-token
-        # passes, scaled by the cut's shape (calibration.time_verify_by_shape).
+        # A llama.cpp target in memory whose cut was timed (llama_load.py) has its cut's
+        # passes, scaled to its size.
         on_llama = isinstance(target_model, LlamaTarget)
         timed = target_model.first_passes if on_llama else ()
-        if on_llama and target_model.pass_shape and loaded:  # (then no pass of the model ran: first_passes is empty)
-            timed = time_verify_by_shape(target_model, target_model.pass_shape)
+        if on_llama and target_model.pass_shape:  # (then no pass of the model ran: first_passes is empty)
+            timed = target_model.pass_shape
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
                          target_warm_up=not on_llama,
                          target_repeats=2 if on_llama and target_model.new_shapes_cost_more else 1,

@@ -100,21 +100,8 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
 def time_pass_shape(target: Target, sizes: Sequence[int] = VERIFY_SIZES) -> list[tuple[int, float]]:
     """time_verify_passes on a 1-token context, after one untimed 1-token pass: how a
     pass's time grows with its tree, measured on a cut of a model (llama_check_model.py),
-    for time_verify_by_shape to scale."""
+    scaled to the model's size by llama_check_model.pass_bytes_ratio."""
     return time_verify_passes(target, target.vocab_size, (sizes[0], *sizes), warm_up=False)[1:]
-
-
-def time_verify_by_shape(target: Target, shape: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
-    """(draft nodes, seconds) at `shape`'s sizes: the target's own 1-token pass (the
-    second: a first pass pays one-time costs, 0.75 s against 0.20 on the 8B in RAM) times
-    the shape's ratio to its own 1-token pass. The cut runs the same kernels on the same
-    shapes, so its passes grow as the model's do: on the 8B-shaped Q4_K_M in RAM (2-core
-    EPYC) the model's passes of 1, 5 and 25 rows took 10.2, 10.6 and 10.2x the cut's, and
-    this gave 0.51 and 1.25 s where the model's own were 0.53 and 1.25. Two 1-token passes
-    instead of three passes of up to 25 rows (~2.5 s of a first chat's load)."""
-    anchor = time_verify_passes(target, target.vocab_size, (shape[0][0], shape[0][0]), warm_up=False)[1][1]
-    base = shape[0][1]
-    return [(n, anchor * t / base) for n, t in shape]
 
 
 @contextmanager

@@ -109,6 +109,33 @@ def test_a_new_file_is_checked_on_its_cut_and_keeps_its_timed_shape(mixed, cache
     again.close()
 
 
+def test_the_cut_s_passes_are_scaled_by_the_bytes_a_pass_reads(mixed, cache):
+    """A pass reads every matrix but the embedding (a tied one is the head: read whole);
+    the cut's times, scaled by the model's bytes over the cut's, are the model's own, and
+    they agree with the model's passes."""
+    from minions_local.backends import llama_load
+    from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
+    from minions_local.models.gguf_file import read_model
+    from minions_local.speculation.calibration import time_pass_shape, time_verify_passes
+
+    model = read_model(mixed)
+    tied = "output.weight" not in model.tensors
+    read = {n: t.nbytes for n, t in model.tensors.items()
+            if len(t.shape) >= 2 and (n != "token_embd.weight" or tied)}
+    layer3 = sum(b for n, b in read.items() if n.startswith("blk.3."))
+    assert pass_bytes_ratio(model, covering_layers(model)) == pytest.approx(sum(read.values()) /
+                                                                           (sum(read.values()) - layer3))
+    assert pass_bytes_ratio(model, [0]) > pass_bytes_ratio(model, [0, 1, 2]) > 1.0
+    target, _ = llama_load.load_llama_target(mixed, context_tokens=512, threads=2, time_shape=time_pass_shape)
+    entry = llama_load._cached_entry([mixed])
+    scale = pass_bytes_ratio(model, covering_layers(model))
+    assert target.pass_shape == [(n, t * scale) for n, t in entry["shape"]]
+    own = time_verify_passes(target, target.vocab_size, (0, 0, 24), warm_up=False)[1:]
+    for (nodes, estimate), (_, seconds) in zip(target.pass_shape[::2], own):
+        assert estimate == pytest.approx(seconds, rel=0.5)  # a tiny model: launches weigh more than bytes
+    target.close()
+
+
 def test_a_cut_llama_cpp_refuses_means_the_whole_model_is_checked(mixed, cache, monkeypatch, tmp_path):
     from minions_local.backends import llama_check_model
     from minions_local.backends.llama_load import load_llama_target

@@ -66,14 +66,9 @@ def pass_bytes_ratio(model: Any, layers: list[int]) -> float:
     tied = "output.weight" not in model.tensors
     keep = set(layers)
 
-    def read(name: str) -> bool:
-        m = _LAYER.match(name)
-        if m:
-            return True
-        return name != "token_embd.weight" or tied
-
     def total(names: Any) -> int:
-        return sum(model.tensors[n].nbytes or 0 for n in names if len(model.tensors[n].shape) >= 2 and read(n))
+        return sum(model.tensors[n].nbytes or 0 for n in names
+                   if len(model.tensors[n].shape) >= 2 and (n != "token_embd.weight" or tied))
 
     whole = total(model.tensors)
     cut = total(n for n in model.tensors if not (m := _LAYER.match(n)) or int(m[1]) in keep)

@@ -85,8 +85,6 @@ class CostModelBudget(BudgetPolicy):
     _last: StepBudget | None = field(default=None, repr=False)
     _idle: int = 0
     """Steps in a row at zero nodes (see probe_every)."""
-    _fitted: set = field(default_factory=set, repr=False)
-    """Regimes whose rate a refit has fitted (see probe_every)."""
     grow_groups: dict = field(default_factory=dict)
     """Per minion that grows a batch's trees in shared passes: requests one pass holds
     (price_batch_grows)."""
@@ -152,8 +150,9 @@ class CostModelBudget(BudgetPolicy):
         return out
 
     def _guessed(self, regime: str) -> bool:
-        """The regime's rate is still the starting guess (no refit fitted it, nor did a caller)."""
-        return regime not in self._fitted and self.rates[regime] == self.acceptance
+        """The regime's rate is still the starting guess: no refit fitted it (a refit fits a
+        regime's participation with its rate), nor did a caller set it."""
+        return regime not in self._participation and self.rates[regime] == self.acceptance
 
     def _plain(self, requests: int) -> StepBudget:
         """No tree, in a pass `requests` requests share."""
@@ -334,7 +333,6 @@ class CostModelBudget(BudgetPolicy):
             else:
                 self.rates[regime] = calibrate_acceptance([(r.tree_size, r.depth, r.accepted) for r in mine],
                                                           self.top_k, self.decays[regime])
-        self._fitted |= self._stale
         self._stale.clear()
         self._chosen.clear()
 

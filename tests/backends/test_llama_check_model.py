@@ -130,9 +130,14 @@ def test_the_cut_s_passes_are_scaled_by_the_bytes_a_pass_reads(mixed, cache):
     entry = llama_load._cached_entry([mixed])
     scale = pass_bytes_ratio(model, covering_layers(model))
     assert target.pass_shape == [(n, t * scale) for n, t in entry["shape"]]
-    own = time_verify_passes(target, target.vocab_size, (0, 0, 24), warm_up=False)[1:]
-    for (nodes, estimate), (_, seconds) in zip(target.pass_shape[::2], own):
-        assert estimate == pytest.approx(seconds, rel=0.5)  # a tiny model: launches weigh more than bytes
+    # A tiny model's passes take well under a millisecond, where one sample on a shared
+    # 2-core box moves by half (the load's, behind the estimate, as much as these): the
+    # estimate must fall within the spread of several rounds of the model's own, widened
+    # by half (a tiny model: launches weigh more than bytes).
+    rounds = [time_verify_passes(target, target.vocab_size, (0, 0, 24), warm_up=False)[1:] for _ in range(5)]
+    for k, (nodes, estimate) in enumerate(target.pass_shape[::2]):
+        own = [r[k][1] for r in rounds]
+        assert min(own) / 1.5 <= estimate <= max(own) * 1.5, (nodes, estimate, own)
     target.close()
 
 

@@ -391,8 +391,9 @@ def test_sigterm_stops_cleanly_with_work_in_flight(server, client, model):
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # Decoding beside the first (continuous batching) or waiting, it must get a 503.
-        waiting = pool.submit(raw, server, "POST", "/completions", {"prompt": "x", "max_tokens": 1200})
+        # Decoding beside the first (continuous batching) or waiting, it must get a 503. Greedy
+        # and long, as the first: a sampled reply could end on its own before the signal.
+        waiting = pool.submit(raw, server, "POST", "/completions", dict(LONG))
         time.sleep(0.3)
         t0 = time.monotonic()
         assert server.stop(signal.SIGTERM) == 0

@@ -23,6 +23,7 @@ from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
 from minions_local.backends.llama_remote import RemoteLlamaTarget
 from minions_local.backends.llama_target import LlamaTarget
+from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
@@ -142,6 +143,8 @@ class Engine:
                          target_repeats=2 if on_llama and target_model.new_shapes_cost_more else 1,
                          target_timed=timed)
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
+        if isinstance(tokenizer, LlamaVocab):  # after the timings above, which it must not share the cores with
+            tokenizer.prepare_renderer()
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
     @classmethod

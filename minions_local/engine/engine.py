@@ -23,7 +23,6 @@ from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
 from minions_local.backends.llama_remote import RemoteLlamaTarget
 from minions_local.backends.llama_target import LlamaTarget
-from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
                                       RequestError)
 from minions_local.core.events import DoneEvent, Event, Generation, LoadProgress, NoticeEvent
@@ -143,8 +142,7 @@ class Engine:
                          target_repeats=2 if on_llama and target_model.new_shapes_cost_more else 1,
                          target_timed=timed)
         decoder = Decoder(target_model, loaded, policy, top_k=top_k, selection=selection, grow_ahead=grow_ahead)
-        if isinstance(tokenizer, LlamaVocab):  # after the timings above, which it must not share the cores with
-            tokenizer.prepare_renderer()
+        getattr(tokenizer, "prepare_renderer", lambda: None)()  # a GGUF's: after the timings, not beside them
         return cls(decoder, tokenizer, profile_name=profile_name, memory_plan=memory_plan)
 
     @classmethod
@@ -468,10 +466,8 @@ def _render(tokenizer, messages: list[dict[str, Any]]) -> str:
 
 
 def _eos_ids(target, tokenizer) -> set[int]:
-    ids = set(target.special_ids()[1])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    return set(target.special_ids()[1]) | (set() if eos is None else {int(eos)})
 
 
 def _events_only(tagged: Iterator[tuple[int, Event]], notices: Sequence[str] = ()) -> Iterator[Event]:

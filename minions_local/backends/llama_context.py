@@ -19,6 +19,7 @@ import ctypes
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,31 @@ def buffer_report() -> Iterator[dict[str, int]]:
         finally:
             for match in _BUFFER_LINE.finditer("".join(lines)):
                 sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
+
+
+_repack_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def exact_repack(on: bool) -> Iterator[None]:
+    """Inside the block (a target's load), ggml repacks no weights but its Q4_K matrices,
+    interleaved for the tiled kernel's 16-row form, whose outputs keep the file layout's bits
+    (GGML_CPU_TILED_REPACK, read by our patched ggml as each weight is placed; without the
+    patch, or on a CPU without AVX-512 VNNI, nothing is repacked). Outside it, a minion's
+    load keeps ggml's own faster repacked layouts. One load at a time holds the switch."""
+    if not on:
+        yield
+        return
+    with _repack_lock:
+        before = os.environ.get("GGML_CPU_TILED_REPACK")
+        os.environ["GGML_CPU_TILED_REPACK"] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("GGML_CPU_TILED_REPACK", None)
+            else:
+                os.environ["GGML_CPU_TILED_REPACK"] = before
 
 
 def _write_errors(errors: list[str]) -> None:

@@ -37,7 +37,7 @@ from minions_local.models.llama_probe import unknown_architecture, unknown_archi
 from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
-CHECK_VERSION = 3
+CHECK_VERSION = 4  # 4: the cut checked (and timed) over the interleaved Q4_K copy
 
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
@@ -72,7 +72,8 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     cells = llama_cache_cells(n_ctx)
 
     def open_target() -> LlamaTarget:
-        return _open(model, n_ctx=cells, threads=threads, streamer=streamer)
+        # held in RAM: its Q4_K matrices interleaved at load (llama_target.py), the same bits
+        return _open(model, n_ctx=cells, threads=threads, streamer=streamer, interleave=streamer is None)
 
     entry, target = _cached_entry(model.paths), None
     if entry is None:
@@ -155,7 +156,10 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
         try:
             path = stack.enter_context(cut_model_path(model, layers))
             stack.enter_context(log_lines(hold_errors=True))
-            cut = LlamaTarget(path, n_ctx=n_ctx, threads=threads, lone_rows=not has_lone_row_types(model.path))
+            # interleaved as a model held in RAM is: the check covers that layout's kernel,
+            # and its timed passes are those of a model held in RAM
+            cut = LlamaTarget(path, n_ctx=n_ctx, threads=threads, lone_rows=not has_lone_row_types(model.path),
+                              interleave=True)
         except (ModelLoadError, OSError, ValueError):
             return None, None
         stack.callback(cut.close)

@@ -83,3 +83,44 @@ def test_sampled_first_tokens_follow_the_targets_law(small_target, monkeypatch):
     observed, drafted = first_two_tokens(engine, prompt, 300, temperature=1.0, top_k=3)
     assert drafted > 30
     assert chi2_pvalue(observed, expected, 300) > 1e-3
+
+
+def test_the_interleaved_copy_gives_the_file_layouts_bits(small_target):
+    """A model held in RAM takes its Q4_K matrices interleaved at load (llama_target.py,
+    the patched ggml's GGML_CPU_TILED_REPACK): a prompt's rows (a pass of 63, the tiles over
+    rows put back in the file's layout), a tree's (the 16-row form over the copy) and a lone
+    row get the bits they get over the file's own layout."""
+    from pathlib import Path
+
+    import llama_cpp
+    import numpy as np
+
+    from minions_local.backends.llama_context import log_lines
+    from minions_local.backends.llama_target import LlamaTarget
+    from minions_local.core.tree import TokenTree
+
+    g = np.random.default_rng(3)
+    prompt = [int(t) for t in g.integers(0, 49152, 80)]
+    tree = TokenTree.from_root(prompt[-1])
+    for _ in range(12):
+        tree.add(int(g.integers(0, len(tree))), int(g.integers(0, 49152)), score=float(g.random()))
+    logits, said = {}, {}
+    for interleave in (False, True):
+        with log_lines() as lines:
+            target = LlamaTarget(small_target, n_ctx=512, threads=2, interleave=interleave)
+        try:
+            target.use_slot(0)
+            target.reset()
+            whole = target.verify(prompt, tree).numpy().copy()
+            target.reset()
+            target.prefill(prompt)  # all but the root
+            lone = target.verify(prompt, TokenTree.from_root(prompt[-1])).numpy().copy()
+        finally:
+            target.close()
+        logits[interleave], said[interleave] = (whole, lone), "".join(lines)
+    stamp = Path(llama_cpp.__file__).parent / ".minions-build"
+    if "avx512_vnni" in (stamp.read_text() if stamp.is_file() else ""):  # the copy's kernel is VNNI's
+        assert "CPU_REPACK" in said[True] and "CPU_REPACK" not in said[False]
+    np.testing.assert_array_equal(logits[True][0], logits[False][0])
+    np.testing.assert_array_equal(logits[True][1], logits[False][1])
+    np.testing.assert_array_equal(logits[True][1][0], logits[True][0][0])  # the lone row: the tree's root's bits

@@ -37,7 +37,8 @@ from minions_local.models.llama_probe import unknown_architecture, unknown_archi
 from minions_local.profile.gguf_sizes import llama_cache_cells
 
 Progress = Callable[[LoadProgress], None]
-CHECK_VERSION = 4  # 4: the cut checked (and timed) over the interleaved Q4_K copy
+CHECK_VERSION = 4  # 4: a model held in RAM checked (and timed) over the interleaved Q4_K copy
+INTERLEAVED = "q4_K interleaved"
 
 
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
@@ -70,19 +71,22 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         streamer = PageCacheStreamer(model.paths, layer_spans(model.files, layers),
                                      resident=spread_resident(layers, layer_tiers.count("device")), window=window)
     cells = llama_cache_cells(n_ctx)
+    # Held in RAM, its Q4_K matrices are interleaved at load (llama_target.py): the check
+    # runs that layout's kernel, and its verdict is kept apart from the streamed layout's.
+    interleave = streamer is None
+    variant = INTERLEAVED if interleave else ""
 
     def open_target() -> LlamaTarget:
-        # held in RAM: its Q4_K matrices interleaved at load (llama_target.py), the same bits
-        return _open(model, n_ctx=cells, threads=threads, streamer=streamer, interleave=streamer is None)
+        return _open(model, n_ctx=cells, threads=threads, streamer=streamer, interleave=interleave)
 
-    entry, target = _cached_entry(model.paths), None
+    entry, target = _cached_entry(model.paths, variant), None
     if entry is None:
         # All of it in memory: llama.cpp reads the file while the CPU checks the cut. (A
         # streamed target loads after: the cut's memory must be gone before it maps.)
-        entry, target = _check_cut(model, cells, threads, progress, time_shape,
+        entry, target = _check_cut(model, cells, threads, progress, time_shape, interleave=interleave,
                                    meanwhile=open_target if streamer is None else None)
         if entry is not None:
-            _store_entry(model.paths, entry)
+            _store_entry(model.paths, entry, variant)
     if target is None:
         target = open_target()
     if streamer is None and entry and entry.get("shape"):
@@ -91,7 +95,7 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         scale = pass_bytes_ratio(model, covering_layers(model))  # the cut's times, at the model's size
         target.pass_shape = [(int(n), float(t) * scale) for n, t in entry["shape"]]
     try:  # the verdict found above (cached, or the cut's), else the whole model's
-        verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress)
+        verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress, variant)
         if verdict:
             raise ModelLoadError(
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
@@ -105,16 +109,16 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     return target, LlamaVocab(target.lib, target.model)
 
 
-def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, split: str = "") -> str:
+def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, variant: str = "") -> str:
     """rows_differ's verdict on the target, from the cache when this file, build, CPU (and
-    split over servers) were checked before."""
-    verdict = _cached_verdict(paths, split)
+    variant: _verdict_key) were checked before."""
+    verdict = _cached_verdict(paths, variant)
     if verdict is None:
         if progress:
             total = sum(p.stat().st_size for p in paths)
             progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
         verdict = rows_differ(target)
-        _store_verdict(paths, verdict, split)
+        _store_verdict(paths, verdict, variant)
     return verdict
 
 
@@ -133,6 +137,7 @@ def spread_resident(layers: int, resident: int) -> set[int]:
 
 def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
                time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None = None,
+               interleave: bool = False,
                meanwhile: Callable[[], LlamaTarget] | None = None) -> tuple[dict[str, Any] | None, Any]:
     """rows_differ on a cut of the model (llama_check_model.py), and the cut's passes timed
     at the cost model's sizes: ({"verdict": ..., "shape": [(draft nodes, seconds), ...]},
@@ -140,7 +145,7 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
     runs in a thread while the cut's rows are checked, once the cut is loaded (llama.cpp's load logs
     what the plan reads: the two loads' lines must not mix). (None, None) where no cut is
     smaller than the model or llama.cpp cannot load it: the whole model is then checked,
-    and `meanwhile` has not run."""
+    and `meanwhile` has not run. `interleave`: the cut loaded as a model held in RAM is."""
     from concurrent.futures import ThreadPoolExecutor
 
     from minions_local.backends.llama_check_model import covering_layers, cut_model_path
@@ -156,10 +161,8 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
         try:
             path = stack.enter_context(cut_model_path(model, layers))
             stack.enter_context(log_lines(hold_errors=True))
-            # interleaved as a model held in RAM is: the check covers that layout's kernel,
-            # and its timed passes are those of a model held in RAM
             cut = LlamaTarget(path, n_ctx=n_ctx, threads=threads, lone_rows=not has_lone_row_types(model.path),
-                              interleave=True)
+                              interleave=interleave)
         except (ModelLoadError, OSError, ValueError):
             return None, None
         stack.callback(cut.close)
@@ -268,7 +271,10 @@ def _type_counts(file) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _verdict_key(paths: list[Path], split: str = "") -> str:
+def _verdict_key(paths: list[Path], variant: str = "") -> str:
+    """The cache's key for a verdict: the files, the llama.cpp build, the CPU, and `variant`,
+    what else the kernels depend on: the split over RPC servers (their kernels are checked
+    too), or INTERLEAVED (a model held in RAM runs the interleaved copy's kernel)."""
     import platform
 
     import llama_cpp
@@ -282,8 +288,8 @@ def _verdict_key(paths: list[Path], split: str = "") -> str:
     except (OSError, StopIteration):
         pass
     raw = f"{CHECK_VERSION}|{files}|{llama_cpp.__version__}|{build}|{platform.machine()}|{cpu}"
-    if split:  # the servers' kernels are checked too: a split is its own verdict
-        raw += f"|{split}"
+    if variant:
+        raw += f"|{variant}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -293,32 +299,32 @@ def _verdicts_file() -> Path:
     return cache_root() / "llama-row-checks.json"
 
 
-def _cached_verdict(paths: list[Path], split: str = "") -> str | None:
-    entry = _cached_entry(paths, split)
+def _cached_verdict(paths: list[Path], variant: str = "") -> str | None:
+    entry = _cached_entry(paths, variant)
     return None if entry is None else entry["verdict"]
 
 
-def _cached_entry(paths: list[Path], split: str = "") -> dict[str, Any] | None:
+def _cached_entry(paths: list[Path], variant: str = "") -> dict[str, Any] | None:
     """What the check found for these files here: {"verdict": '' or what differed,
     "shape": the cut's timed passes, when a cut was checked}."""
     try:
-        entry = json.loads(_verdicts_file().read_text()).get(_verdict_key(paths, split))
+        entry = json.loads(_verdicts_file().read_text()).get(_verdict_key(paths, variant))
     except (OSError, ValueError):
         return None
     return {"verdict": entry} if isinstance(entry, str) else entry if isinstance(entry, dict) else None
 
 
-def _store_verdict(paths: list[Path], verdict: str, split: str = "") -> None:
-    _store_entry(paths, {"verdict": verdict}, split)
+def _store_verdict(paths: list[Path], verdict: str, variant: str = "") -> None:
+    _store_entry(paths, {"verdict": verdict}, variant)
 
 
-def _store_entry(paths: list[Path], entry: dict[str, Any], split: str = "") -> None:
+def _store_entry(paths: list[Path], entry: dict[str, Any], variant: str = "") -> None:
     file = _verdicts_file()
     try:
         known = json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
         known = {}
-    known[_verdict_key(paths, split)] = entry
+    known[_verdict_key(paths, variant)] = entry
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")

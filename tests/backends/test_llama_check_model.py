@@ -127,7 +127,7 @@ def test_the_cut_s_passes_are_scaled_by_the_bytes_a_pass_reads(mixed, cache):
                                                                            (sum(read.values()) - layer3))
     assert pass_bytes_ratio(model, [0]) > pass_bytes_ratio(model, [0, 1, 2]) > 1.0
     target, _ = llama_load.load_llama_target(mixed, context_tokens=512, threads=2, time_shape=time_pass_shape)
-    entry = llama_load._cached_entry([mixed])
+    entry = llama_load._cached_entry([mixed], llama_load.INTERLEAVED)  # held in RAM
     scale = pass_bytes_ratio(model, covering_layers(model))
     assert target.pass_shape == [(n, t * scale) for n, t in entry["shape"]]
     # A tiny model's passes take well under a millisecond, where one sample on a shared

@@ -188,7 +188,27 @@ def test_a_cut_times_one_pass_a_size_after_an_untimed_one():
             self.trees.append(tree.draft_size)
 
     cut = Cut()
-    shape = time_pass_shape(cut)
-    assert cut.trees == [0, *VERIFY_SIZES] and [n for n, _ in shape] == list(VERIFY_SIZES)
+    shape = time_pass_shape(cut, budget_s=1.0)
+    assert cut.trees == [n for n in (0, *VERIFY_SIZES) for _ in range(5)]  # 5 a size: cheap ones
+    assert [n for n, _ in shape] == list(VERIFY_SIZES)
     for nodes, seconds in shape:
         assert seconds == pytest.approx((FLAT + PER_NODE * nodes) / 10)
+    dear = Cut()
+    time_pass_shape(dear, budget_s=1e-9)  # past the budget: two passes a size, still not one
+    assert dear.trees == [n for n in (0, *VERIFY_SIZES) for _ in range(2)]
+
+
+def test_a_size_s_price_is_its_least_pass():
+    """One pass in a round that another process slowed prices every tree of that size."""
+    from minions_local.speculation.calibration import time_verify_passes
+
+    class Hiccup(PricedTarget):
+        def verify(self, context, tree):
+            super().verify(context, tree)
+            if self.trees.count(4) == 1 and tree.draft_size == 4:  # the first 4-node pass
+                Clock.sleep(1.0)
+
+    target = Hiccup()
+    samples = time_verify_passes(target, vocab=100, repeats=3)
+    assert all(seconds == pytest.approx(FLAT + PER_NODE * nodes) for nodes, seconds in samples)
+    assert dict(time_verify_passes(Hiccup(), vocab=100))[4] > 1.0  # one pass: priced at it

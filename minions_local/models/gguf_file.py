@@ -104,6 +104,9 @@ class GGUFFile:
         return f"{st.st_size}:{st.st_mtime_ns}"
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, f, path: Path, size: int) -> None:
         self.f, self.path, self.size = f, path, size
@@ -126,6 +129,24 @@ class _Cursor:
         except UnicodeDecodeError:
             raise _damaged(self.path, "a header string is not UTF-8") from None
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings, as `string` reads them with no call per string: a vocabulary's
+        tokens and merges are ~100k (an 8B's header: 0.35 s read one call at a time)."""
+        read, size, out = self.f.read, self.size, []
+        try:
+            for _ in range(count):
+                head = read(8)
+                n = _U64.unpack(head)[0] if len(head) == 8 else -1
+                if n > size:
+                    raise _damaged(self.path, f"a string of {n} bytes in the header is longer than the file")
+                data = read(n) if n >= 0 else b""
+                if n < 0 or len(data) < n:
+                    raise _damaged(self.path, "the file ends inside its header (truncated)")
+                out.append(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _damaged(self.path, "a header string is not UTF-8") from None
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
@@ -138,6 +159,8 @@ class _Cursor:
             if inner in _SCALARS:  # one read for the whole array (a vocabulary's scores, say)
                 fmt = _SCALARS[inner]
                 return list(struct.unpack(f"<{count}{fmt[1]}", self.take(count * struct.calcsize(fmt))))
+            if inner == _STRING:
+                return self.strings(count)
             return [self.value(inner) for _ in range(count)]
         raise _damaged(self.path, f"unknown metadata value type {kind}")
 

@@ -66,7 +66,7 @@ through the 1-token pass alone would price small trees low (by 13% in a run)."""
 
 
 def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY_SIZES, *,
-                       warm_up: bool = True, repeats: int = 1,
+                       warm_up: bool = True, first_untimed: bool = False, repeats: int = 1,
                        budget_s: float | None = None) -> list[tuple[int, float]]:
     """(draft nodes, seconds) of the target verifying a chain of each size below a
     made-up context. Leaves the target reset.
@@ -79,6 +79,7 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
     whose every pass takes its layers through the page cache as the first does), the
     passes are timed from the first, on a 1-token context: at 8B under a memory limit
     each pass is seconds of loading (the two untimed ones were 4 of a first chat's 20).
+    first_untimed: the untimed pass alone, on the 1-token context (time_pass_shape).
     repeats: passes of each size, the least time kept (a target split over RPC servers
     asks them questions the first time a pass has a new shape, which ggml then caches:
     its second pass of a size is what decoding pays; and one sample on a shared machine
@@ -88,17 +89,19 @@ def time_verify_passes(target: Target, vocab: int, sizes: Sequence[int] = VERIFY
     target.prefill(context)
     samples = []
     with _no_gc_pause():
-        for nodes in ((sizes[0], *sizes) if warm_up else sizes):
+        untimed = (sizes[0],) if warm_up or first_untimed else ()
+        for k, nodes in enumerate((*untimed, *sizes)):
             tree = TokenTree.from_root(context[-1])
             parent = 0
             for i in range(nodes):
                 parent = tree.add(parent, (context[i % len(context)] * 7 + i) % max(vocab, 2))
+            passes = 1 if k < len(untimed) else repeats
             times: list[float] = []
-            while len(times) < repeats and (budget_s is None or len(times) < 2 or sum(times) < budget_s):
+            while len(times) < passes and (budget_s is None or len(times) < 2 or sum(times) < budget_s):
                 times.append(timed(target.verify, context, tree)[1])
             samples.append((nodes, min(times)))
     target.reset()  # the made-up context is nobody's conversation
-    return samples[1:] if warm_up else samples
+    return samples[len(untimed):]
 
 
 def time_pass_shape(target: Target, sizes: Sequence[int] = VERIFY_SIZES, *, repeats: int = 5,
@@ -111,10 +114,11 @@ def time_pass_shape(target: Target, sizes: Sequence[int] = VERIFY_SIZES, *, repe
     taken under `budget_s`): the shape is kept with the file's verdict for every later
     load, and one sample is not a price. On a shared 2-core box (AVX-512 EPYC) a tiny
     model's passes moved by 2x from one to the next, and CI once priced a 0.3 ms pass at
-    0.6. An 8B-shaped Q4_K_M's cut (same box): 0.71 s for its shape at first load, not
-    0.38, and a 24-node pass priced at 1.35 s where one sample had said 1.96."""
-    return time_verify_passes(target, target.vocab_size, (sizes[0], *sizes), warm_up=False, repeats=repeats,
-                              budget_s=budget_s)[1:]
+    0.6. An 8B-shaped Q4_K_M's cut (same box): 0.59 s for its shape at first load, not
+    0.35, and a 24-node pass priced at 1.27 s where one sample had said 1.58 (1.35 and
+    1.96 in another run)."""
+    return time_verify_passes(target, target.vocab_size, sizes, warm_up=False, first_untimed=True, repeats=repeats,
+                              budget_s=budget_s)
 
 
 @contextmanager

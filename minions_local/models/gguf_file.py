@@ -121,26 +121,23 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        n = self.scalar("<Q")
-        if n > self.size:
-            raise _damaged(self.path, f"a string of {n} bytes in the header is longer than the file")
-        try:
-            return self.take(n).decode("utf-8")
-        except UnicodeDecodeError:
-            raise _damaged(self.path, "a header string is not UTF-8") from None
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings, as `string` reads them with no call per string: a vocabulary's
-        tokens and merges are ~100k (an 8B's header: 0.35 s read one call at a time)."""
-        read, size, out = self.f.read, self.size, []
+        """`count` length-prefixed UTF-8 strings, with no Python call per string: a
+        vocabulary's tokens and merges are ~100k (an 8B's header: 0.047 s, against
+        0.07-0.09 read a call at a time)."""
+        read, out = self.f.read, []
         try:
             for _ in range(count):
                 head = read(8)
-                n = _U64.unpack(head)[0] if len(head) == 8 else -1
-                if n > size:
+                if len(head) < 8:
+                    raise _damaged(self.path, "the file ends inside its header (truncated)")
+                n = _U64.unpack(head)[0]
+                if n > self.size:
                     raise _damaged(self.path, f"a string of {n} bytes in the header is longer than the file")
-                data = read(n) if n >= 0 else b""
-                if n < 0 or len(data) < n:
+                data = read(n)
+                if len(data) < n:
                     raise _damaged(self.path, "the file ends inside its header (truncated)")
                 out.append(data.decode("utf-8"))
         except UnicodeDecodeError:

@@ -122,7 +122,9 @@ def import_llama_cpp() -> Any:
         # for the trees a target runs (an 8B-shaped Q4_K_M on 2 AVX-512 cores: 16 rows 1.0 s
         # against 1.7-2.4, 63 rows 2.3-2.6 s against 7-8). The wheel our build script makes
         # patches it for few rows (scripts/llama_cpp_patches/): on VNNI CPUs a lone row then
-        # takes 0.19-0.25 s (unpatched 0.9, `vec_dot` 0.2) and 4 rows 0.32, with the same bits.
+        # takes 0.19-0.25 s (unpatched 0.9, `vec_dot` 0.2) and 4 rows 0.32; on 2 AVX2-only
+        # cores 0.26-0.29 s (unpatched 1.9, llama.cpp's own 0.2) and 8 rows 0.6-0.8 (unpatched
+        # 1.8); the same bits.
         # ggml reads the switches once, at the process's first matmul, so they are set before
         # anything runs, for the minions too (weights a minion repacks are not affected).
         os.environ.setdefault("GGML_CPU_TILED_MM", "1")

@@ -44,7 +44,8 @@ INTERLEAVED = "q4_K interleaved"
 def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | None = None,
                       layer_tiers: list[str] | None = None, window: int = 2,
                       progress: Progress | None = None, rpc: dict[str, Any] | None = None,
-                      time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None = None
+                      time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None = None,
+                      time_lone: Callable[[LlamaTarget], float] | None = None
                       ) -> tuple[LlamaTarget, LlamaVocab]:
     """A GGUF target on llama.cpp and its tokenizer; ModelLoadError names the file and what
     to do when the file is not a usable model or its rows would not be exact here.
@@ -54,7 +55,10 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     layer_tiers: the memory plan's tier per decoder layer; layers not on 'device' stream
     through the page cache, `window` layers ahead of the pass (llama_stream.py).
     rpc: the layers split over RPC servers (llama_remote.py): {"servers": ["host:port", ...],
-    "shares": [this machine, server, ...] or None, "timeout": seconds}; nothing streams."""
+    "shares": [this machine, server, ...] or None, "timeout": seconds}; nothing streams.
+    time_shape: times a cut's passes of the cost model's sizes (calibration.time_pass_shape),
+    which become the model's pass_shape; time_lone: times one 1-token pass of the model
+    (calibration.time_lone_pass), what a streamed model's reads add to that shape."""
     from minions_local.models.gguf_file import read_model
 
     model = read_model(path)  # a truncated, corrupt or incomplete model is named here, before llama.cpp reads it
@@ -89,11 +93,13 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
             _store_entry(model.paths, entry, variant)
     if target is None:
         target = open_target()
-    if streamer is None and entry and entry.get("shape"):
+    if entry and entry.get("shape") and (streamer is None or time_lone is not None):
         from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
 
         scale = pass_bytes_ratio(model, covering_layers(model))  # the cut's times, at the model's size
         target.pass_shape = [(int(n), float(t) * scale) for n, t in entry["shape"]]
+        if streamer is not None:
+            target.pass_shape = _with_reads(target, target.pass_shape, time_lone)
     try:  # the verdict found above (cached, or the cut's), else the whole model's
         verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress, variant)
         if verdict:
@@ -120,6 +126,20 @@ def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, 
         verdict = rows_differ(target)
         _store_verdict(paths, verdict, variant)
     return verdict
+
+
+def _with_reads(target: LlamaTarget, shape: list[tuple[int, float]],
+                time_lone: Callable[[LlamaTarget], float]) -> list[tuple[int, float]]:
+    """A streamed model's pass shape: one 1-token pass of the model itself, timed (its
+    streamed layers' reads, which no cut in memory can say), plus what each size's rows
+    add in the cut's shape (their compute). It stands for the three passes of the model
+    the cost model would time otherwise: 7.0 of a 20.3 s first load for the 8B-shaped
+    Q4_K_M under 3.5 GB (2-core AVX2 EPYC), each pass reading its 2.6 GB of streamed
+    layers. A 40-node pass there took 5.35 s where this sum says 4.6 (the reads hide part
+    of the compute, and the read-ahead thread takes CPU from it): the steps' own samples
+    refit the rest (cost_policy)."""
+    lone = time_lone(target)
+    return [(n, lone + t - shape[0][1]) for n, t in shape]
 
 
 def spread_resident(layers: int, resident: int) -> set[int]:

@@ -156,8 +156,9 @@ class LlamaTarget(SlotStates):
         where a new shape's first pass costs more than decoding pays (new_shapes_cost_more)."""
         self.pass_shape: list[tuple[int, float]] = []
         """(draft nodes, seconds) of this model's passes as its cut's timed passes say
-        (llama_check_model.py: scaled by pass_bytes_ratio), set by the load when the whole
-        model is in memory: the cost model's first samples, with no pass of the model."""
+        (llama_check_model.py: scaled by pass_bytes_ratio), set by the load: the cost
+        model's first samples, with no pass of the model held in memory, and one of a
+        streamed model (its reads: llama_load._with_reads)."""
         self.trees_apart = 0
         """Trees verified in a pass of their own for want of sequence ids (verify_batch)."""
         self.__dict__.update(self.fresh_slot_state())

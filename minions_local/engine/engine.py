@@ -131,11 +131,11 @@ class Engine:
         # The minions' and the target's real price per pass.
         # A llama.cpp target that checked its rows at load timed passes of several sizes
         # doing so: at 8B under a memory limit each pass is seconds, none is run again.
-        # A llama.cpp target in memory whose cut was timed (llama_load.py) has its cut's
-        # passes, scaled to its size.
+        # A llama.cpp target whose cut was timed (llama_load.py) has its cut's passes,
+        # scaled to its size (and, streamed, one pass of its own added for its reads).
         on_llama = isinstance(target_model, LlamaTarget)
         timed = target_model.first_passes if on_llama else ()
-        if on_llama and target_model.pass_shape:  # (then no pass of the model ran: first_passes is empty)
+        if on_llama and target_model.pass_shape:  # (then the check's passes were the cut's)
             timed = target_model.pass_shape
         calibrate_policy(policy, loaded, target_model.vocab_size, progress, target=target_model,
                          target_warm_up=not on_llama,

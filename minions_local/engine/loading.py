@@ -129,11 +129,12 @@ def _load_gguf_target(path: Path, *, dtype: torch.dtype | None, device: str, tie
         path = shipped_gguf()  # checked; a missing wheel is named with what to install
     if runs_on_llama_cpp(device, stream_options.get("kernel", "auto")):
         from minions_local.backends.llama_load import load_llama_target
-        from minions_local.speculation.calibration import time_pass_shape
+        from minions_local.speculation.calibration import time_lone_pass, time_pass_shape
 
         return load_llama_target(path, context_tokens=stream_options.get("context_tokens", 4096),
                                  layer_tiers=stream_options.get("layer_tiers"), window=stream_options.get("buffers", 2),
-                                 progress=progress, rpc=stream_options.get("rpc"), time_shape=time_pass_shape)
+                                 progress=progress, rpc=stream_options.get("rpc"), time_shape=time_pass_shape,
+                                 time_lone=time_lone_pass)
     if stream_options.get("rpc"):
         raise ModelLoadError(f"Splitting a target over RPC servers runs it on llama.cpp, on a CPU; this one is set "
                              f"to run on {device} with gguf_kernel '{stream_options.get('kernel')}'.")

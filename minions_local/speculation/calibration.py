@@ -121,6 +121,13 @@ def time_pass_shape(target: Target, sizes: Sequence[int] = VERIFY_SIZES, *, repe
                               budget_s=budget_s)
 
 
+def time_lone_pass(target: Target) -> float:
+    """Seconds of one 1-token pass of `target` on a 1-token context, timed from its first
+    (time_verify_passes without warm-up): what a streamed llama.cpp target's reads cost a
+    pass, added to its cut's shape (llama_load.py)."""
+    return time_verify_passes(target, target.vocab_size, (0,), warm_up=False)[0][1]
+
+
 @contextmanager
 def _no_gc_pause() -> Iterator[None]:
     """One sample per shape: a garbage collection landing in one (~50 ms after torch's

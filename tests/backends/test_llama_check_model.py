@@ -149,6 +149,40 @@ def test_the_cut_s_passes_are_scaled_by_the_bytes_a_pass_reads(mixed, cache):
     target.close()
 
 
+def test_a_streamed_model_s_shape_is_one_pass_of_its_own_plus_the_cut_s_growth(mixed, cache):
+    """Streamed, the model's reads are timed by one 1-token pass of its own (no cut in
+    memory can say them); each size then costs that plus what its rows add in the cut's
+    shape. One pass of the model, not the cost model's three."""
+    from minions_local.backends import llama_load
+    from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
+    from minions_local.models.gguf_file import read_model
+    from minions_local.speculation.calibration import time_lone_pass, time_pass_shape
+
+    lone = []
+
+    def timed_lone(target):
+        lone.append(time_lone_pass(target))
+        return lone[-1]
+
+    tiers = ["device", "disk", "device", "disk"]
+    target, _ = llama_load.load_llama_target(mixed, context_tokens=512, threads=2, layer_tiers=tiers,
+                                             time_shape=time_pass_shape, time_lone=timed_lone)
+    try:
+        assert len(lone) == 1 and len(target.first_passes) == 1 and target.first_passes[0][0] == 0
+        entry = llama_load._cached_entry([mixed])  # the streamed layout's
+        scale = pass_bytes_ratio(read_model(mixed), covering_layers(read_model(mixed)))
+        cut = [(n, t * scale) for n, t in entry["shape"]]
+        assert [n for n, _ in target.pass_shape] == [0, 4, 24]
+        assert target.pass_shape == [(n, lone[0] + t - cut[0][1]) for n, t in cut]
+    finally:
+        target.close()
+    # Without a lone pass's timing (a caller that times nothing) the model's passes are
+    # the cost model's to time, as before.
+    again, _ = llama_load.load_llama_target(mixed, context_tokens=512, threads=2, layer_tiers=tiers)
+    assert again.pass_shape == [] and again.first_passes == []
+    again.close()
+
+
 def test_a_cut_llama_cpp_refuses_means_the_whole_model_is_checked(mixed, cache, monkeypatch, tmp_path):
     from minions_local.backends import llama_check_model
     from minions_local.backends.llama_load import load_llama_target

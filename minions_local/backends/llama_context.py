@@ -75,29 +75,37 @@ def buffer_report() -> Iterator[dict[str, int]]:
                 sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
 
 
-_repack_lock = threading.Lock()
+_switch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def exact_repack(on: bool) -> Iterator[None]:
-    """Inside the block (a target's load), ggml repacks no weights but its Q4_K matrices,
-    interleaved for the tiled kernel's 16-row form, whose outputs keep the file layout's bits
-    (GGML_CPU_TILED_REPACK, read by our patched ggml as each weight is placed; without the
-    patch, or on a CPU without AVX-512 VNNI, nothing is repacked). Outside it, a minion's
-    load keeps ggml's own faster repacked layouts. One load at a time holds the switch."""
-    if not on:
+def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[None]:
+    """Inside the block (a target's load), our patched llama.cpp's load-time switches
+    (scripts/llama_cpp_patches/), read from the environment as the file is mapped and each
+    weight placed; without the patches they change nothing.
+      - repack: ggml repacks no weights but its Q4_K matrices, interleaved for the tiled
+        kernel's 16-row form, whose outputs keep the file layout's bits
+        (GGML_CPU_TILED_REPACK=1; on a CPU without AVX-512 VNNI nothing is repacked).
+        Outside it, a minion's load keeps ggml's own faster repacked layouts.
+      - prefetch=False: the file is mapped without being read ahead (LLAMA_MMAP_PREFETCH=0),
+        for a model whose layers stream (llama_stream.py), which reads what it keeps itself.
+    One load at a time holds the switches."""
+    settings = {**({"GGML_CPU_TILED_REPACK": "1"} if repack else {}),
+                **({} if prefetch else {"LLAMA_MMAP_PREFETCH": "0"})}
+    if not settings:
         yield
         return
-    with _repack_lock:
-        before = os.environ.get("GGML_CPU_TILED_REPACK")
-        os.environ["GGML_CPU_TILED_REPACK"] = "1"
+    with _switch_lock:
+        before = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
         try:
             yield
         finally:
-            if before is None:
-                os.environ.pop("GGML_CPU_TILED_REPACK", None)
-            else:
-                os.environ["GGML_CPU_TILED_REPACK"] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _write_errors(errors: list[str]) -> None:

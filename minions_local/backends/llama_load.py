@@ -27,7 +27,7 @@ import numpy as np
 
 from minions_local.backends.llama_context import log_lines
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
-from minions_local.backends.llama_stream import PageCacheStreamer, layer_spans
+from minions_local.backends.llama_stream import FileReadAhead, PageCacheStreamer, Span, layer_spans, resident_spans
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import ModelLoadError
@@ -72,8 +72,25 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
         layers = len(layer_tiers)
-        streamer = PageCacheStreamer(model.paths, layer_spans(model.files, layers),
-                                     resident=spread_resident(layers, layer_tiers.count("device")), window=window)
+        spans = layer_spans(model.files, layers)
+        resident = spread_resident(layers, layer_tiers.count("device"))
+        streamer = PageCacheStreamer(model.paths, spans, resident=resident, window=window)
+        # llama.cpp maps a streamed file without reading it (load_switches): what stays is read here.
+        ahead = FileReadAhead(model.paths, resident_spans(model.files, spans, resident))
+    else:
+        ahead = FileReadAhead(model.paths, [Span(i, 0, f.size) for i, f in enumerate(model.files)])
+    try:
+        return _load_local(model, n_ctx, threads, progress, streamer, time_shape, time_lone)
+    finally:
+        ahead.stop()
+
+
+def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,
+                streamer: PageCacheStreamer | None,
+                time_shape: Callable[[LlamaTarget], list[tuple[int, float]]] | None,
+                time_lone: Callable[[LlamaTarget], float] | None) -> tuple[LlamaTarget, LlamaVocab]:
+    """load_llama_target on this machine, its file being read meanwhile (FileReadAhead)."""
+    path, total = model.path, model.size
     cells = llama_cache_cells(n_ctx)
     # Held in RAM, its Q4_K matrices are interleaved at load (llama_target.py): the check
     # runs that layout's kernel, and its verdict is kept apart from the streamed layout's.

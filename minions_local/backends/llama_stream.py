@@ -77,6 +77,54 @@ def layer_spans(files: Sequence[Any], layers: int) -> list[list[Span]]:
     return merged
 
 
+def resident_spans(files: Sequence[Any], spans: list[list[Span]], resident: set[int]) -> list[Span]:
+    """What a pass reads that does not stream: the resident layers' spans, and every byte
+    of the files outside the layers (the embedding, the head, the norms), in file order."""
+    layered = sorted((s for parts in spans for s in parts), key=lambda s: (s.file, s.start))
+    out = [s for layer in sorted(resident) for s in spans[layer]]
+    for index, file in enumerate(files):
+        at = 0
+        for s in (s for s in layered if s.file == index):
+            if s.start > at:
+                out.append(Span(index, at, s.start))
+            at = max(at, s.end)
+        if file.size > at:
+            out.append(Span(index, at, file.size))
+    return sorted(out, key=lambda s: (s.file, s.start))
+
+
+class FileReadAhead:
+    """Reads byte ranges of files into the page cache on a thread of its own, from the
+    start of a load: the reads then overlap the work before llama.cpp maps the file (the
+    exactness check on a cut, 2-3 s), where llama.cpp would read them only when it maps
+    it. `stop()` ends it between chunks (a failed load reads no further)."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self, paths: Sequence[Path], ranges: Sequence[Span]) -> None:
+        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
+        self._ranges = list(ranges)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="target-file-reads", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for span in self._ranges:
+            for start in range(span.start, span.end, self.CHUNK):
+                if self._stop.is_set():
+                    return
+                # WILLNEED queues the chunk's reads and returns once they are under way.
+                os.posix_fadvise(self._fds[span.file], start, min(self.CHUNK, span.end - start),
+                                 os.POSIX_FADV_WILLNEED)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
 def find_mappings(paths: Sequence[Path]) -> list[int | None]:
     """For each file, the address its byte 0 would have in this process's mapping of it
     (llama.cpp maps a GGUF from its first data page: address - offset), read from

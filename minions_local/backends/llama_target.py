@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from minions_local.backends.llama_cells import KVCache
-from minions_local.backends.llama_context import buffer_report, exact_repack, ggml_function, import_llama_cpp
+from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp, load_switches
 from minions_local.backends.llama_rows import (FLOAT_KV_ROWS, KV_TYPES, QUANTIZED_KV_ROWS, Row, RowCalls, TreeLayout,
                                                has_lone_row_types, lay_out)
 from minions_local.backends.llama_stream import PageCacheStreamer
@@ -101,7 +101,7 @@ class LlamaTarget(SlotStates):
         self.model = self.ctx = self.batch = None  # so close() works after a failed load
         mparams = self._model_params(n_gpu_layers)
         mparams.use_extra_bufts = interleave and streamer is None  # a copy made at load does not stream
-        with exact_repack(mparams.use_extra_bufts):
+        with load_switches(repack=mparams.use_extra_bufts, prefetch=streamer is None):
             self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "

@@ -93,8 +93,9 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def cached_pages(path: Path) -> tuple[int, int]:
-    """(pages of `path` in the page cache, pages in the file), via mincore(2)."""
+def cached_pages(path: Path, start: int = 0, end: int | None = None) -> tuple[int, int]:
+    """(pages of `path` in the page cache, pages in the file), via mincore(2); of the
+    whole pages in bytes [start, end) when given."""
     import ctypes
     import mmap
     import os
@@ -118,4 +119,7 @@ def cached_pages(path: Path) -> tuple[int, int]:
             libc.munmap(addr, size)
     finally:
         os.close(fd)
-    return sum(b & 1 for b in vec.raw), n
+    first, last = -(-start // page), (size if end is None else end) // page
+    if end is None or end >= size:
+        last = n
+    return sum(b & 1 for b in vec.raw[first:last]), max(0, last - first)

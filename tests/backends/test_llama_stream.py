@@ -1,0 +1,97 @@
+"""A streamed llama.cpp target's load (backends/llama_load.py, llama_stream.py): llama.cpp
+maps the file without reading it (our patch's LLAMA_MMAP_PREFETCH=0), and what stays
+resident is read from the start of the load; the streamed layers are left to the
+streamer, which reads only its window ahead of the first pass."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from minions_local.core.tree import TokenTree
+from tests.helpers.offload_helpers import cached_pages
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer):
+    """A tiny Llama of 8 layers of ~1.3 MB (Q4_K): wider than a fault's readahead."""
+    from tests.helpers.tiny_gguf import write_gguf
+    from tests.helpers.tiny_models import random_model, save, tiny_config
+
+    root = tmp_path_factory.mktemp("stream")
+    config = tiny_config("llama", hidden=512, layers=8, ctx=1024)
+    folder = save(random_model(config, seed=3, scale=4.0), root / "hf", tokenizer)
+    return write_gguf(folder, root / "model.gguf", "Q4_K", embedding_type="Q6_K")
+
+
+def _dropped(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_resident_spans_are_the_kept_layers_and_everything_outside_the_layers(model):
+    from minions_local.backends.llama_stream import layer_spans, resident_spans
+    from minions_local.models.gguf_file import read_model
+
+    files = read_model(model).files
+    spans = layer_spans(files, 8)
+    whole = resident_spans(files, spans, set(range(8)))
+    covered = sorted((s.start, s.end) for s in whole)
+    assert covered[0][0] == 0 and covered[-1][1] == files[0].size
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
+    kept = resident_spans(files, spans, {2})
+    outside = [s for s in kept if s not in spans[2]]
+    assert [s for s in kept if s in spans[2]] == spans[2]
+    assert sum(s.size for s in outside) == files[0].size - sum(s.size for parts in spans for s in parts)
+
+
+def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(model, tmp_path, monkeypatch):
+    from minions_local.backends.llama_load import load_llama_target
+
+    monkeypatch.setenv("MINIONS_CACHE_DIR", str(tmp_path / "cache"))  # a new file: its cut is checked too
+
+    tiers = ["device", "disk", "disk", "disk", "disk", "disk", "disk", "device"]
+    _dropped(model)
+    target, _ = load_llama_target(model, context_tokens=256, threads=2, layer_tiers=tiers, window=1)
+    try:
+        streamer = target.streamer
+        resident = sorted(streamer.resident)
+        assert len(resident) == 2
+        for layer in resident:
+            for span in streamer.spans[layer]:
+                cached, pages = cached_pages(model, span.start, span.end)
+                assert cached == pages, (layer, cached, pages)
+        # The streamer reads its window (+1) ahead of the first pass; past it and away from
+        # the resident layers (a fault's readahead may cross a boundary) nothing was read.
+        ahead = streamer.streamed[:streamer.window + 1]
+        far = [i for i in streamer.streamed
+               if i not in ahead and all(abs(i - r) > 1 for r in resident) and i - 1 not in ahead]
+        assert far
+        cached = sum(cached_pages(model, s.start, s.end)[0] for i in far for s in streamer.spans[i])
+        pages = sum(cached_pages(model, s.start, s.end)[1] for i in far for s in streamer.spans[i])
+        assert cached <= pages // 10, (far, cached, pages)
+        # and the pass is the resident model's, bit for bit
+        prompt = [1, 5, 9, 14, 20, 31]
+        target.use_slot(0)
+        target.reset()
+        target.prefill(prompt)
+        streamed = target.verify(prompt, TokenTree.from_root(prompt[-1]))[0].numpy().copy()
+    finally:
+        target.close()
+    whole, _ = load_llama_target(model, context_tokens=256, threads=2)
+    try:
+        whole.use_slot(0)
+        whole.reset()
+        whole.prefill(prompt)
+        assert np.array_equal(streamed, whole.verify(prompt, TokenTree.from_root(prompt[-1]))[0].numpy())
+    finally:
+        whole.close()

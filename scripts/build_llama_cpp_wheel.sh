@@ -98,7 +98,8 @@ PY
 }
 installed="$(stamp || true)"
 if [ -n "$installed" ] && [ "$(cat "$installed" 2>/dev/null)" != "$FLAGS_TAG" ]; then
-    "$PYTHON" -m pip install --force-reinstall --no-deps "${wheels[0]}"
+    # Another build of the same version: pip would keep it ("already installed"), so it goes first.
+    "$PYTHON" -m pip uninstall --yes --quiet llama-cpp-python
 fi
 "$PYTHON" -m pip install "${wheels[0]}"
 echo "$FLAGS_TAG" > "$(stamp)"

@@ -5,11 +5,10 @@ streamer, which reads only its window ahead of the first pass."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
+from benchmarks.llama_child import drop_page_cache
 from minions_local.core.tree import TokenTree
 from tests.helpers.offload_helpers import cached_pages
 
@@ -27,15 +26,6 @@ def model(tmp_path_factory, tokenizer):
     config = tiny_config("llama", hidden=512, layers=8, ctx=1024)
     folder = save(random_model(config, seed=3, scale=4.0), root / "hf", tokenizer)
     return write_gguf(folder, root / "model.gguf", "Q4_K", embedding_type="Q6_K")
-
-
-def _dropped(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_resident_spans_are_the_kept_layers_and_everything_outside_the_layers(model):
@@ -60,7 +50,7 @@ def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(mod
     monkeypatch.setenv("MINIONS_CACHE_DIR", str(tmp_path / "cache"))  # a new file: its cut is checked too
 
     tiers = ["device", "disk", "disk", "disk", "disk", "disk", "disk", "device"]
-    _dropped(model)
+    drop_page_cache(model)
     target, _ = load_llama_target(model, context_tokens=256, threads=2, layer_tiers=tiers, window=1)
     try:
         streamer = target.streamer

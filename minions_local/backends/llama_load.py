@@ -110,13 +110,6 @@ def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress 
             _store_entry(model.paths, entry, variant)
     if target is None:
         target = open_target()
-    if entry and entry.get("shape") and (streamer is None or time_lone is not None):
-        from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
-
-        scale = pass_bytes_ratio(model, covering_layers(model))  # the cut's times, at the model's size
-        target.pass_shape = [(int(n), float(t) * scale) for n, t in entry["shape"]]
-        if streamer is not None:
-            target.pass_shape = _with_reads(target, target.pass_shape, time_lone)
     try:  # the verdict found above (cached, or the cut's), else the whole model's
         verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress, variant)
         if verdict:
@@ -124,6 +117,13 @@ def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress 
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
                 f"({verdict}), so trees would change its replies. Re-quantize it to a K-quant (e.g. Q4_K_M) or "
                 f"report the file's types; its tensor types: {_type_counts(model)}.")
+        if entry and entry.get("shape") and (streamer is None or time_lone is not None):
+            from minions_local.backends.llama_check_model import covering_layers, pass_bytes_ratio
+
+            scale = pass_bytes_ratio(model, covering_layers(model))  # the cut's times, at the model's size
+            target.pass_shape = [(int(n), float(t) * scale) for n, t in entry["shape"]]
+            if streamer is not None:
+                target.pass_shape = _with_reads(target, target.pass_shape, time_lone)
     except BaseException:
         target.close()
         raise

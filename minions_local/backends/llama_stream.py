@@ -77,6 +77,15 @@ def layer_spans(files: Sequence[Any], layers: int) -> list[list[Span]]:
     return merged
 
 
+def advise(fd: int, start: int, size: int, advice: int) -> None:
+    """posix_fadvise as a hint: a file system that refuses it (the reads then come from the
+    faults themselves) must not end the thread that asks, which a pass may be waiting on."""
+    try:
+        os.posix_fadvise(fd, start, size, advice)
+    except OSError:
+        pass
+
+
 def resident_spans(files: Sequence[Any], spans: list[list[Span]], resident: set[int]) -> list[Span]:
     """What a pass reads that does not stream: the resident layers' spans, and every byte
     of the files outside the layers (the embedding, the head, the norms), in file order."""
@@ -114,8 +123,7 @@ class FileReadAhead:
                 if self._stop.is_set():
                     return
                 # WILLNEED queues the chunk's reads and returns once they are under way.
-                os.posix_fadvise(self._fds[span.file], start, min(self.CHUNK, span.end - start),
-                                 os.POSIX_FADV_WILLNEED)
+                advise(self._fds[span.file], start, min(self.CHUNK, span.end - start), os.POSIX_FADV_WILLNEED)
 
     def stop(self) -> None:
         self._stop.set()
@@ -281,7 +289,7 @@ class PageCacheStreamer:
 
     def _read(self, layer: int) -> None:
         for span in self.spans[layer]:
-            os.posix_fadvise(self._fds[span.file], span.start, span.size, os.POSIX_FADV_WILLNEED)
+            advise(self._fds[span.file], span.start, span.size, os.POSIX_FADV_WILLNEED)
         for span in self.spans[layer]:
             addr, size = self._addr(span)
             self._libc.lib.madvise(addr, size, MADV_POPULATE_READ)
@@ -292,7 +300,7 @@ class PageCacheStreamer:
             addr, size = self._inner(span)
             if size:
                 self._libc.lib.madvise(addr, size, MADV_DONTNEED)
-                os.posix_fadvise(self._fds[span.file], addr - self._bases[span.file], size, os.POSIX_FADV_DONTNEED)
+                advise(self._fds[span.file], addr - self._bases[span.file], size, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         with self._cond:

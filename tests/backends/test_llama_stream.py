@@ -85,3 +85,36 @@ def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(mod
         assert np.array_equal(streamed, whole.verify(prompt, TokenTree.from_root(prompt[-1]))[0].numpy())
     finally:
         whole.close()
+
+
+def test_a_file_system_that_refuses_read_hints_still_loads_and_streams(model, monkeypatch):
+    """posix_fadvise is a hint: where it fails, the reads come from the faults, and neither
+    the load's read-ahead nor the streamer's thread (which a pass waits on) dies of it."""
+    import errno
+    import os
+    import threading
+
+    from minions_local.backends.llama_load import load_llama_target
+
+    def refuse(*_):
+        raise OSError(errno.EINVAL, "no read hints here")
+
+    died = []
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    tiers = ["device", "disk", "disk", "disk", "disk", "disk", "disk", "device"]
+    target, _ = load_llama_target(model, context_tokens=256, threads=2, layer_tiers=tiers, window=1)
+    done = []
+    try:
+        prompt = [1, 5, 9, 14, 20, 31]
+        target.use_slot(0)
+        target.reset()
+        passes = threading.Thread(target=lambda: done.append(
+            target.prefill(prompt) or target.verify(prompt, TokenTree.from_root(prompt[-1]))), daemon=True)
+        passes.start()
+        passes.join(120)
+        assert done, "the pass waited on a streamer thread that had died"
+    finally:
+        if done:
+            target.close()
+    assert not died

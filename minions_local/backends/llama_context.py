@@ -116,13 +116,25 @@ def _write_errors(errors: list[str]) -> None:
         sys.stderr.write("".join(errors))
 
 
+_switches_late = False
+
+
+def switches_may_be_late() -> bool:
+    """Whether llama_cpp was imported before import_llama_cpp set ggml's kernel switches
+    (and the environment did not have them): a matmul run before then fixed ggml's kernel
+    choice, and rows may round apart. Seen when a test loaded a model with llama_cpp.Llama
+    first: every later target then failed its exactness check."""
+    return _switches_late
+
+
 def import_llama_cpp() -> Any:
     """llama_cpp, initialised once with its chatty logging reduced to errors."""
-    global _llama, _log_callback
+    global _llama, _log_callback, _switches_late
     if _llama is None:
         problem = build_problem()
         if problem:
             raise ModelLoadError(problem + ".")
+        _switches_late = "llama_cpp" in sys.modules and "GGML_CPU_TILED_MM_FORCE" not in os.environ
         # A llama.cpp target must give a row the same bits in a pass of any size
         # (llama_target.py). ggml multiplies K-quant and I-quant weights with its tiled kernel
         # from 8 rows and with `vec_dot` below: each is row-invariant, but they round apart,

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minions_local.backends.llama_context import log_lines
+from minions_local.backends.llama_context import log_lines, switches_may_be_late
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
 from minions_local.backends.llama_stream import FileReadAhead, PageCacheStreamer, Span, layer_spans, resident_spans
 from minions_local.backends.llama_target import LlamaTarget
@@ -106,12 +106,18 @@ def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress 
         # streamed target loads after: the cut's memory must be gone before it maps.)
         entry, target = _check_cut(model, cells, threads, progress, time_shape, interleave=interleave,
                                    meanwhile=open_target if streamer is None else None)
-        if entry is not None:
+        if entry is not None and not (entry["verdict"] and switches_may_be_late()):  # no verdict of another setting
             _store_entry(model.paths, entry, variant)
     if target is None:
         target = open_target()
     try:  # the verdict found above (cached, or the cut's), else the whole model's
         verdict = entry["verdict"] if entry is not None else _checked(target, model.paths, progress, variant)
+        if verdict and switches_may_be_late():
+            raise ModelLoadError(
+                f"llama.cpp gave {path.name}'s tree rows other bits than 1-token passes ({verdict}), and this "
+                f"process imported llama_cpp before minions-local set ggml's kernel switches, so that may be why. "
+                f"Import minions_local (or load this target) before using llama_cpp yourself, or set "
+                f"GGML_CPU_TILED_MM=1 and GGML_CPU_TILED_MM_FORCE=1 in the environment.")
         if verdict:
             raise ModelLoadError(
                 f"llama.cpp does not give {path.name}'s tree rows the bits of 1-token passes on this machine "
@@ -141,7 +147,8 @@ def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, 
             total = sum(p.stat().st_size for p in paths)
             progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
         verdict = rows_differ(target)
-        _store_verdict(paths, verdict, variant)
+        if not (verdict and switches_may_be_late()):
+            _store_verdict(paths, verdict, variant)
     return verdict
 
 

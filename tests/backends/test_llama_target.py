@@ -269,6 +269,36 @@ def test_rows_differ_catches_a_kernel_chosen_by_row_count(files):
     assert "tree node" in out.stdout.strip().splitlines()[-1]
 
 
+def test_a_process_that_ran_llama_cpp_first_is_told_why_and_keeps_no_verdict(files, tmp_path):
+    # ggml fixes its kernel choice at a process's first matmul: one run by llama_cpp.Llama
+    # before minions-local set its switches leaves rows rounding apart. The load must say
+    # that (not "re-quantize the file") and cache no verdict that a later process would trust.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pathlib import Path\nfrom llama_cpp import Llama\n"
+            "llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False)\nllm.eval([1, 2, 3])\n"
+            "from minions_local.backends.llama_load import load_llama_target\n"
+            "from minions_local.core.errors import ModelLoadError\n"
+            "try:\n    load_llama_target(Path(sys.argv[1]), context_tokens=256, threads=2)[0].close()\n"
+            "    print('loaded')\n"
+            "except ModelLoadError as err:\n    print('refused:', err)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED")}
+    env["MINIONS_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code, str(files["Q4_K"])], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout.strip().splitlines()[-1]
+    # (ggml's stock kernels differ by row count for K-quants on AVX-512 VNNI builds: refused
+    # there; a build whose stock kernels happened to agree would load, exact, and pass.)
+    assert said == "loaded" or ("imported llama_cpp before" in said and "GGML_CPU_TILED_MM_FORCE=1" in said), said
+    checks = tmp_path / "llama-row-checks.json"
+    assert not checks.exists() or not any(
+        (e if isinstance(e, str) else e.get("verdict")) for e in json.loads(checks.read_text()).values())
+
+
 def test_the_plan_counts_what_llama_cpp_reports_allocating(files):
     # --plan sizes llama.cpp's buffers before it loads anything; the loaded target's own
     # report (its log) is the truth the estimate must stay near.

@@ -47,6 +47,10 @@ PROMPTS = [chat("What is the capital of France?"), chat("Write a haiku about the
 def load(path):
     from llama_cpp import Llama
 
+    from minions_local.backends.llama_context import import_llama_cpp
+
+    import_llama_cpp()  # ggml's kernel switches before this process's first matmul: later tests' targets need them
+
     return Llama(model_path=str(path), n_ctx=256, n_threads=2, n_batch=256, logits_all=True, verbose=False)
 
 

@@ -149,13 +149,13 @@ class Limit:
 
 
 def ours(target: Path, minions: list[str], conversations: list, max_new: int, limit: Limit,
-         tree_pass: int = 0, kernel: str = "auto", extra_args: list[str] = ()) -> dict:
+         tree_pass: int = 0, kernel: str = "auto", extra_args: list[str] = (), context: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prompts, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         prompts.write_text(json.dumps(conversations))
         argv = [sys.executable, "-m", "benchmarks.engine_child", "--target", str(target), "--minions",
                 ",".join(minions), "--prompts", str(prompts), "--max-new", str(max_new), "--out", str(out),
-                "--tree-pass", str(tree_pass), "--kernel", kernel, *extra_args]
+                "--tree-pass", str(tree_pass), "--kernel", kernel, "--context", str(context), *extra_args]
         # A cache of its own: every run loads the file as new (its exactness check runs,
         # and is the cost model's timing), which is the load a newcomer's first chat pays.
         cache = Path(tmp) / "cache"
@@ -194,14 +194,17 @@ def run_limit(gb: float, files: dict, args, tools: Path) -> dict:
     out = {}
     want = set(args.methods.split(","))
     if "ours" in want:
-        out["ours"] = ours(files["target"], [str(files["draft"]), "ngram"], convs, args.max_new, limit(), tree_pass=40)
+        out["ours"] = ours(files["target"], [str(files["draft"]), "ngram"], convs, args.max_new, limit(), tree_pass=40,
+                           context=args.ctx)
     if "ours weak" in want:
-        out["ours weak"] = ours(files["target"], [str(files["weak"]), "ngram"], convs[:1], args.max_new, limit())
+        out["ours weak"] = ours(files["target"], [str(files["weak"]), "ngram"], convs[:1], args.max_new, limit(),
+                                context=args.ctx)
     if "ours alone" in want:
-        out["ours alone"] = ours(files["target"], [], convs[:1], args.alone_tokens, limit(), tree_pass=0)
+        out["ours alone"] = ours(files["target"], [], convs[:1], args.alone_tokens, limit(), tree_pass=0,
+                                 context=args.ctx)
     if "ours torch" in want:  # the torch path (the file's weights dequantized into float32 as each layer runs)
         out["ours torch"] = ours(files["target"], [str(files["draft"]), "ngram"], convs[:1], args.max_new, limit(),
-                                 kernel="dequant")
+                                 kernel="dequant", context=args.ctx)
     if "llama.cpp" in want:
         lim = limit()
         with lim as group:  # as many tokens as ours without a limit, where it is quick
@@ -248,6 +251,10 @@ def report(results: dict, raw: float, args) -> dict:
                 print(f"{name:<16}{'-':>8}{'':>10}{'':>8}{'':>8}{'':>9}  {r['error']}")
                 continue
             note = f"accept {r['accept']:.0%}, draft max {r['draft_max']}" if r.get("accept") is not None else ""
+            if r.get("chats"):  # the trees the policy chose, and what a step cost: why a run's tok/s moved
+                sizes = [t for c in r["chats"] for t in c["tree_sizes"]]
+                step = sum(c["seconds"] - c["ttft"] for c in r["chats"]) / max(sum(c["passes"] for c in r["chats"]), 1)
+                note += f"trees of {statistics.median(sizes) if sizes else 0:g} nodes (median), {step:.2f} s a step; "
             if r.get("tree_pass_seconds"):
                 note += f"40-node tree pass {r['tree_pass_seconds']:.2f} s, 1 row {r['one_row_seconds']:.2f} s"
             print(f"{name:<16}{r['tok_s']:>8.2f}{r['tokens_per_pass']:>10.2f}{r['ttft']:>8.1f}"
@@ -331,6 +338,9 @@ def main() -> None:
     one, raw = raw_read_gbps(files["target"], 1), raw_read_gbps(files["target"], 8)
     print(f"target {files['target'].name}: {files['target'].stat().st_size / GB:.2f} GB, raw O_DIRECT read "
           f"{one:.2f} GB/s (1 reader), {raw:.2f} GB/s (8 readers: the bound uses this)")
+    print(f"conditions: {args.threads} threads for llama.cpp's tools, {min(os.cpu_count() or 1, 8)} for ours (its "
+          f"default: the cores, at most 8); a context of {args.ctx} tokens each; greedy; the page cache dropped "
+          f"before each run, each in a memory group of its own")
     tools = tools_dir()
     results = {}
     for gb in [float(x) for x in args.limits.split(",")]:

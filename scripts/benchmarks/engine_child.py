@@ -46,16 +46,23 @@ def _tree_pass_seconds(engine, context: list[int], nodes: int, repeats: int = 3)
     return statistics.median(times)
 
 
-def _profile(kernel: str) -> str:
-    """cpu-demo, or a copy of it whose GGUF target computes with `kernel` (gguf_kernel)."""
-    if kernel == "auto":
+def _profile(kernel: str, context: int = 0) -> str:
+    """cpu-demo, or a copy of it whose GGUF target computes with `kernel` (gguf_kernel) and
+    holds `context` tokens (context_tokens; 0 keeps the profile's): the peers' context size."""
+    if kernel == "auto" and not context:
         return "cpu-demo"
+    import re
     import tempfile
 
     from minions_local.profile.loader import find_profile_file
 
-    text = find_profile_file("cpu-demo").read_text().replace("[target]\n", f'[target]\ngguf_kernel = "{kernel}"\n', 1)
-    path = Path(tempfile.mkdtemp()) / f"cpu-demo-{kernel}.toml"
+    text = find_profile_file("cpu-demo").read_text()
+    if kernel != "auto":
+        text = text.replace("[target]\n", f'[target]\ngguf_kernel = "{kernel}"\n', 1)
+    if context:
+        text, found = re.subn(r"(?m)^context_tokens = \d+", f"context_tokens = {context}", text, count=1)
+        assert found, "cpu-demo.toml names no context_tokens"
+    path = Path(tempfile.mkdtemp()) / f"cpu-demo-{kernel}-{context}.toml"
     path.write_text(text)
     return str(path)
 
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     split = {"rpc": args.rpc.split(",")} if args.rpc else {}
     if args.rpc_split:
         split["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
-    engine = Engine.from_profile(_profile(args.kernel), target=args.target, minions=minions, **split)
+    engine = Engine.from_profile(_profile(args.kernel, args.context), target=args.target, minions=minions, **split)
     load = time.perf_counter() - start
     network = getattr(engine.decoder.target, "network_counters", lambda: (0, 0, 0))
     chats = []
@@ -126,6 +133,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--tree-pass", type=int, default=0)
     parser.add_argument("--kernel", default="auto", help="the GGUF target's gguf_kernel (auto: llama.cpp)")
+    parser.add_argument("--context", type=int, default=0, help="tokens the target's cache holds (0: the profile's)")
     parser.add_argument("--rpc", default="", help="split the target over these servers (host:port,...)")
     parser.add_argument("--rpc-split", default="", help="this machine's share, then each server's")
     parser.add_argument("--batch", default="", help="also answer this many chats at once (e.g. 4,8)")

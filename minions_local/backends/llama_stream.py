@@ -7,9 +7,10 @@ itself under a memory limit, the kernel evicts whatever it likes and every pass 
 the file back in 4-16 KiB at a time. Here instead:
   - the resident layers are locked in memory (mlock, where the process may);
   - the streamed layers are read ahead, in the order the pass needs them, by a thread of
-    their own (posix_fadvise WILLNEED queues the whole range's reads at once, then
-    MADV_POPULATE_READ maps the pages, so the pass meets no page fault), at most
-    `window` layers ahead of the layer being computed;
+    their own (posix_fadvise WILLNEED starts a layer's reads, up to the device's readahead
+    size, then MADV_POPULATE_READ reads the rest and maps the pages, so the pass meets no
+    page fault; queuing the whole layer in small WILLNEED pieces was slower: FileReadAhead),
+    at most `window` layers ahead of the layer being computed;
   - a streamed layer is dropped once computed (MADV_DONTNEED unmaps it, POSIX_FADV_DONTNEED
     takes it out of the page cache), so the resident layers never compete with it;
   - when a pass ends, the first streamed layers of the next are read while the minions

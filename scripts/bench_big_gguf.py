@@ -170,7 +170,9 @@ def ours(target: Path, minions: list[str], conversations: list, max_new: int, li
     tokens = sum(len(c["tokens"]) for c in result["chats"])
     decode = sum(c["seconds"] - c["ttft"] for c in result["chats"])
     passes = sum(c["passes"] for c in result["chats"])
+    sizes = [t for c in result["chats"] for t in c["tree_sizes"]]
     result.update(tok_s=tokens / decode if decode else 0.0, tokens_per_pass=tokens / passes if passes else 0.0,
+                  step_seconds=decode / passes if passes else 0.0, tree_median=statistics.median(sizes) if sizes else 0,
                   ttft=statistics.median(c["ttft"] for c in result["chats"]),
                   streamed_per_pass=result["bytes_streamed"] / passes if passes else 0)
     return result
@@ -251,10 +253,8 @@ def report(results: dict, raw: float, args) -> dict:
                 print(f"{name:<16}{'-':>8}{'':>10}{'':>8}{'':>8}{'':>9}  {r['error']}")
                 continue
             note = f"accept {r['accept']:.0%}, draft max {r['draft_max']}" if r.get("accept") is not None else ""
-            if r.get("chats"):  # the trees the policy chose, and what a step cost: why a run's tok/s moved
-                sizes = [t for c in r["chats"] for t in c["tree_sizes"]]
-                step = sum(c["seconds"] - c["ttft"] for c in r["chats"]) / max(sum(c["passes"] for c in r["chats"]), 1)
-                note += f"trees of {statistics.median(sizes) if sizes else 0:g} nodes (median), {step:.2f} s a step; "
+            if "step_seconds" in r:  # the trees the policy chose, and what a step cost: why a run's tok/s moved
+                note += f"trees of {r['tree_median']:g} nodes (median), {r['step_seconds']:.2f} s a step; "
             if r.get("tree_pass_seconds"):
                 note += f"40-node tree pass {r['tree_pass_seconds']:.2f} s, 1 row {r['one_row_seconds']:.2f} s"
             print(f"{name:<16}{r['tok_s']:>8.2f}{r['tokens_per_pass']:>10.2f}{r['ttft']:>8.1f}"

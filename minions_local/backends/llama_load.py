@@ -106,7 +106,7 @@ def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress 
         # streamed target loads after: the cut's memory must be gone before it maps.)
         entry, target = _check_cut(model, cells, threads, progress, time_shape, interleave=interleave,
                                    meanwhile=open_target if streamer is None else None)
-        if entry is not None and not (entry["verdict"] and switches_may_be_late()):  # no verdict of another setting
+        if entry is not None:
             _store_entry(model.paths, entry, variant)
     if target is None:
         target = open_target()
@@ -147,8 +147,7 @@ def _checked(target: LlamaTarget, paths: list[Path], progress: Progress | None, 
             total = sum(p.stat().st_size for p in paths)
             progress(LoadProgress("target", "ram", total, total, "checking that its rows are exact"))
         verdict = rows_differ(target)
-        if not (verdict and switches_may_be_late()):
-            _store_verdict(paths, verdict, variant)
+        _store_verdict(paths, verdict, variant)
     return verdict
 
 
@@ -363,6 +362,8 @@ def _store_verdict(paths: list[Path], verdict: str, variant: str = "") -> None:
 
 
 def _store_entry(paths: list[Path], entry: dict[str, Any], variant: str = "") -> None:
+    if entry["verdict"] and switches_may_be_late():
+        return  # a failure of ggml's kernel choice in this process, not of the file: no later process may trust it
     file = _verdicts_file()
     try:
         known = json.loads(file.read_text()) if file.is_file() else {}

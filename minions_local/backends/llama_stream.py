@@ -9,7 +9,7 @@ the file back in 4-16 KiB at a time. Here instead:
   - the streamed layers are read ahead, in the order the pass needs them, by a thread of
     their own (posix_fadvise WILLNEED starts a layer's reads, up to the device's readahead
     size, then MADV_POPULATE_READ reads the rest and maps the pages, so the pass meets no
-    page fault; queuing the whole layer in small WILLNEED pieces was slower: FileReadAhead),
+    page fault; queuing the whole layer in small 512 KB WILLNEED pieces was slower),
     at most `window` layers ahead of the layer being computed;
   - a streamed layer is dropped once computed (MADV_DONTNEED unmaps it, POSIX_FADV_DONTNEED
     takes it out of the page cache), so the resident layers never compete with it;
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-MADV_SEQUENTIAL, MADV_DONTNEED, MADV_POPULATE_READ = 2, 4, 22
+MADV_DONTNEED, MADV_POPULATE_READ = 4, 22
 _LAYER = re.compile(rb"-(\d+)$")
 
 
@@ -106,30 +106,21 @@ def resident_spans(files: Sequence[Any], spans: list[list[Span]], resident: set[
 class FileReadAhead:
     """Reads byte ranges of files into the page cache on a thread of its own, from the
     start of a load: the reads then overlap the work before llama.cpp maps the file (the
-    exactness check on a cut, 2-3 s), where llama.cpp would read them only when it maps
-    it. `stop()` ends it between chunks (a failed load reads no further).
+    exactness check on a cut, ~1.5 s) and, held in RAM, its load's own copy of the Q4_K
+    matrices (llama.cpp repacks a tensor as soon as its pages are in). `stop()` ends it
+    between chunks (a failed load reads no further).
 
-    One posix_fadvise(WILLNEED) is no reader of a large range: the kernel reads at most
-    the device's readahead size a call (8 MB on a 2-core AVX-512 EPYC's virtual disk,
-    read_ahead_kb), so in 64 MB calls it had cached 520 MB of the 8B-shaped Q4_K_M's 4.35
-    GB it was given. So each 64 MB chunk is queued in pieces no device's cap cuts short
-    (the next chunk queued while this one is waited on), then MADV_POPULATE_READ over a
-    mapping of the thread's own returns once every page of it is in memory. A page the
-    pieces missed (or whose read the kernel had not yet queued) is read by that fault;
-    the mapping is MADV_SEQUENTIAL, so such a fault reads ahead of itself, not around it
-    into the streamed layer before (a test's resident norm, by the file's end, pulled in
-    the whole last layer before it). Where the kernel has no
-    MADV_POPULATE_READ (before 5.14) the chunk is read into a buffer instead. The 8B's
-    whole file is cached in 2.6-3.3 s (populate alone: 4.0-4.7). Its first load was no
-    faster for it on that box, in RAM or under 3.5 GB (within the VM's noise of +-3 s):
-    the kernel reads ahead of llama.cpp's own sequential reads beside its interleaved
-    copy, whose first touch of fresh memory is most of the load (62% in clear_page), and
-    a streamed model's resident layers are read by its mlock at the latest."""
+    Plain sequential reads, a chunk at a time into one scratch buffer: the kernel's own
+    readahead keeps the device busy ahead of each. Measured on the 8B-shaped Q4_K_M in
+    RAM (2-core AVX-512 EPYC, 0.9 GB/s reads, the load started 1.5 s after the reads):
+    5.0-6.1 s to a loaded target, against 7.4-9.7 with the chunks queued as 512 KB
+    WILLNEED pieces and mapped in by MADV_POPULATE_READ (the reader's queue and
+    llama.cpp's own populate of the file fought over the device), and 7.9-12.4 s with no
+    reads ahead (llama.cpp reads the file, then copies it, one after the other)."""
 
-    CHUNK = 64 << 20
-    PIECE = 512 << 10
-    """Bytes a WILLNEED call asks: at most what one is read of (max(read_ahead_kb,
-    max_sectors_kb) of the device: 128 KB and 512 KB or more are the usual defaults)."""
+    CHUNK = 8 << 20
+    """Bytes a read asks: the device's readahead size (read_ahead_kb) on the boxes
+    measured; larger gained nothing, and `stop()` waits at most one."""
 
     def __init__(self, paths: Sequence[Path], ranges: Sequence[Span]) -> None:
         self._paths = [Path(p) for p in paths]
@@ -139,45 +130,22 @@ class FileReadAhead:
         self._thread.start()
 
     def _run(self) -> None:
-        libc = _Libc()
-        chunks = [Span(r.file, a, min(a + self.CHUNK, r.end)) for r in self._ranges
-                  for a in range(r.start, r.end, self.CHUNK)]
-        fds = {i: os.open(p, os.O_RDONLY) for i, p in enumerate(self._paths)}
-        maps: dict[int, tuple[int, int]] = {}
-        for i, fd in fds.items():
-            size = os.fstat(fd).st_size
-            addr = libc.lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0) if size else None
-            maps[i] = (addr if addr not in (None, _MAP_FAILED) else 0, size)
-            if maps[i][0]:  # a page the pieces missed is read ahead of its fault, not around it
-                libc.lib.madvise(maps[i][0], size, MADV_SEQUENTIAL)
-        buffer: bytearray | None = None
+        fds: dict[int, int] = {}
         try:
-            if chunks:
-                self._queue(fds, chunks[0])
-            for k, chunk in enumerate(chunks):
-                if self._stop.is_set():
-                    return
-                if k + 1 < len(chunks):
-                    self._queue(fds, chunks[k + 1])
-                base = maps[chunk.file][0]
-                low = chunk.start - chunk.start % PAGE
-                if base and libc.lib.madvise(base + low, chunk.end - low, MADV_POPULATE_READ) == 0:
-                    continue
-                buffer = buffer if buffer is not None else bytearray(self.CHUNK)
-                try:  # no populate here (or it failed): a read fills the page cache as well
-                    os.preadv(fds[chunk.file], [memoryview(buffer)[:chunk.size]], chunk.start)
-                except OSError:
-                    return  # a hint, not a load: llama.cpp's own read reports the file's faults
+            buffer = memoryview(bytearray(self.CHUNK)) if self._ranges else None
+            for span in self._ranges:
+                if span.file not in fds:
+                    fds[span.file] = os.open(self._paths[span.file], os.O_RDONLY)
+                for a in range(span.start, span.end, self.CHUNK):
+                    if self._stop.is_set():
+                        return
+                    if os.preadv(fds[span.file], [buffer[:min(self.CHUNK, span.end - a)]], a) <= 0:
+                        break  # the file is shorter than it was: llama.cpp's own read says so
+        except OSError:
+            return  # a hint, not a load: llama.cpp's own read reports the file's faults
         finally:
-            for addr, size in maps.values():
-                if addr:
-                    libc.lib.munmap(addr, size)
             for fd in fds.values():
                 os.close(fd)
-
-    def _queue(self, fds: dict[int, int], chunk: Span) -> None:
-        for a in range(chunk.start, chunk.end, self.PIECE):
-            advise(fds[chunk.file], a, min(self.PIECE, chunk.end - a), os.POSIX_FADV_WILLNEED)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every range was read (or the reads ended) within `timeout` seconds."""

@@ -48,6 +48,13 @@ class ToolRun:
     def tok_s(self) -> float:
         return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
 
+    @property
+    def ready_seconds(self) -> float:
+        """From the program's start until it could read the prompt: its wall time less the
+        prompt's and the decode's (so its load, its context's buffers and its warm-up
+        pass, and its exit). Its 'load time' line counts the weights' load alone."""
+        return max(0.0, self.wall_seconds - self.prompt_seconds - self.decode_seconds)
+
 
 def tools_dir() -> Path:
     """Where build_llama_cpp_tools.sh keeps the programs (built there if missing)."""

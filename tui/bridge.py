@@ -30,6 +30,9 @@ EngineFactory = Callable[..., Any]
 
 def load_engine(profile: str, *, progress: Callable[[LoadProgress], None], **overrides: Any) -> Any:
     """The real factory: `Engine.from_profile`, imported lazily."""
+    from minions_local.backends.target_read_ahead import read_named_profile_target_ahead
+
+    read_named_profile_target_ahead(profile, **overrides)  # a GGUF held in RAM: read while torch is imported
     try:
         from minions_local.engine import Engine
     except ImportError as err:

@@ -29,6 +29,7 @@ from minions_local.backends.llama_context import log_lines, switches_may_be_late
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
 from minions_local.backends.llama_stream import FileReadAhead, PageCacheStreamer, Span, layer_spans, resident_spans
 from minions_local.backends.llama_target import LlamaTarget
+from minions_local.backends.target_read_ahead import claim_read_ahead
 from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
@@ -67,10 +68,15 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
     train = _metadata_int(model.metadata, f"{model.architecture}.context_length")
     n_ctx = min(context_tokens, train) if train else context_tokens
+    early = claim_read_ahead(model.paths)  # read since the path was known (target_read_ahead.py)
     if rpc and rpc.get("servers"):
+        if early is not None:
+            early.stop()
         return _load_split(model, n_ctx, threads, progress, rpc)
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
+        if early is not None:  # the plan streams it after all: only the resident layers are read
+            early.stop()
         layers = len(layer_tiers)
         spans = layer_spans(model.files, layers)
         resident = spread_resident(layers, layer_tiers.count("device"))
@@ -78,7 +84,7 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         # llama.cpp maps a streamed file without reading it (load_switches): what stays is read here.
         ahead = FileReadAhead(model.paths, resident_spans(model.files, spans, resident))
     else:
-        ahead = FileReadAhead(model.paths, [Span(i, 0, f.size) for i, f in enumerate(model.files)])
+        ahead = early or FileReadAhead(model.paths, [Span(i, 0, f.size) for i, f in enumerate(model.files)])
     try:
         return _load_local(model, n_ctx, threads, progress, streamer, time_shape, time_lone)
     finally:

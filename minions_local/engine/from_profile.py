@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from minions_local.backends.target_read_ahead import read_profile_target_ahead
 from minions_local.core.tiers import streams
 from minions_local.planning.fitting import load_fitted
 from minions_local.planning.memory_plan import MemoryPlan
@@ -38,6 +39,7 @@ def engine_kwargs_from_profile(
     fitted = load_fitted(name_or_path, target=target, minions=minions, tier=tier, rpc=rpc, rpc_split=rpc_split)
     profile = fitted.profile
     check_format(profile)
+    read_profile_target_ahead(profile)  # while it plans (the CLIs start it before torch is imported)
     plan = fitted.plan()
     math = target_math(profile, plan, options.get("dtype"), options.get("compute_dtype"))
     if math != profile.target.dtype:  # its KV cache, embeddings and head are held wider

@@ -133,8 +133,11 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
     # A wrong profile fails here, in a fraction of a second, not after torch has loaded.
     from minions_local.planning.fitting import with_rpc
 
-    with_rpc(load_profile(args.profile, target=args.target, minions=args.minions), getattr(args, "rpc", None),
-             getattr(args, "rpc_split", None))
+    profile = with_rpc(load_profile(args.profile, target=args.target, minions=args.minions),
+                       getattr(args, "rpc", None), getattr(args, "rpc_split", None))
+    from minions_local.backends.target_read_ahead import read_profile_target_ahead
+
+    read_profile_target_ahead(profile)  # a GGUF held in RAM: its file is read while torch is imported
     from minions_local.engine import Engine
 
     try:  # the engine reports loading itself; transformers' own bar would draw over it

@@ -69,14 +69,20 @@ def _profile(kernel: str, context: int = 0) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
-    from minions_local import Engine
-    from minions_local.core.events import DoneEvent, TokenEvent
-
     minions = [m for m in args.minions.split(",") if m]
     split = {"rpc": args.rpc.split(",")} if args.rpc else {}
     if args.rpc_split:
         split["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
-    engine = Engine.from_profile(_profile(args.kernel, args.context), target=args.target, minions=minions, **split)
+    profile = _profile(args.kernel, args.context)
+    # Loaded as minions-chat and minions-serve load it (tui/bridge.py, server/cli.py): a GGUF
+    # target held in RAM is read from here on, while torch is imported.
+    from minions_local.backends.target_read_ahead import read_named_profile_target_ahead
+
+    read_named_profile_target_ahead(profile, target=args.target, minions=minions, **split)
+    from minions_local import Engine
+    from minions_local.core.events import DoneEvent, TokenEvent
+
+    engine = Engine.from_profile(profile, target=args.target, minions=minions, **split)
     load = time.perf_counter() - start
     network = getattr(engine.decoder.target, "network_counters", lambda: (0, 0, 0))
     chats = []

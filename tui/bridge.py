@@ -30,7 +30,7 @@ EngineFactory = Callable[..., Any]
 
 def load_engine(profile: str, *, progress: Callable[[LoadProgress], None], **overrides: Any) -> Any:
     """The real factory: `Engine.from_profile`, imported lazily."""
-    from minions_local.backends.target_read_ahead import read_named_profile_target_ahead
+    from minions_local.planning.target_read_ahead import read_named_profile_target_ahead
 
     read_named_profile_target_ahead(profile, **overrides)  # a GGUF held in RAM: read while torch is imported
     try:

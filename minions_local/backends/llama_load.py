@@ -27,9 +27,9 @@ import numpy as np
 
 from minions_local.backends.llama_context import log_lines, switches_may_be_late
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
-from minions_local.backends.llama_stream import FileReadAhead, PageCacheStreamer, Span, layer_spans, resident_spans
+from minions_local.backends.llama_stream import (FileReadAhead, PageCacheStreamer, Span, claim_read_ahead, layer_spans,
+                                                  resident_spans)
 from minions_local.backends.llama_target import LlamaTarget
-from minions_local.backends.target_read_ahead import claim_read_ahead
 from minions_local.backends.llama_vocab import LlamaVocab
 from minions_local.core.errors import ModelLoadError
 from minions_local.core.events import LoadProgress
@@ -68,7 +68,7 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         progress(LoadProgress("target", "ram", 0, total, "loading with llama.cpp"))
     train = _metadata_int(model.metadata, f"{model.architecture}.context_length")
     n_ctx = min(context_tokens, train) if train else context_tokens
-    early = claim_read_ahead(model.paths)  # read since the path was known (target_read_ahead.py)
+    early = claim_read_ahead(model.paths)  # read since the path was known (planning/target_read_ahead.py)
     if rpc and rpc.get("servers"):
         if early is not None:
             early.stop()

@@ -157,6 +157,27 @@ class FileReadAhead:
         self._thread.join()
 
 
+_early_readers: dict[tuple[str, ...], FileReadAhead] = {}
+"""Readers of whole files started before their load (planning/target_read_ahead.py), by path."""
+_early_lock = threading.Lock()
+
+
+def read_files_ahead(paths: Sequence[Path]) -> None:
+    """Read these whole files into the page cache on a thread of their own, from now, for a
+    load to come (claim_read_ahead); one reader a set of files, however often asked."""
+    key = tuple(str(Path(p).resolve()) for p in paths)
+    with _early_lock:
+        if key not in _early_readers:
+            sizes = [os.stat(p).st_size for p in key]
+            _early_readers[key] = FileReadAhead([Path(p) for p in key], [Span(i, 0, n) for i, n in enumerate(sizes)])
+
+
+def claim_read_ahead(paths: Sequence[Path]) -> FileReadAhead | None:
+    """The reader read_files_ahead started for these files (the load's now: it stops it), or None."""
+    with _early_lock:
+        return _early_readers.pop(tuple(str(Path(p).resolve()) for p in paths), None)
+
+
 def find_mappings(paths: Sequence[Path]) -> list[int | None]:
     """For each file, the address its byte 0 would have in this process's mapping of it
     (llama.cpp maps a GGUF from its first data page: address - offset), read from

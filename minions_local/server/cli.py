@@ -135,7 +135,7 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
 
     profile = with_rpc(load_profile(args.profile, target=args.target, minions=args.minions),
                        getattr(args, "rpc", None), getattr(args, "rpc_split", None))
-    from minions_local.backends.target_read_ahead import read_profile_target_ahead
+    from minions_local.planning.target_read_ahead import read_profile_target_ahead
 
     read_profile_target_ahead(profile)  # a GGUF held in RAM: its file is read while torch is imported
     from minions_local.engine import Engine

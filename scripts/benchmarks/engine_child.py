@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     profile = _profile(args.kernel, args.context)
     # Loaded as minions-chat and minions-serve load it (tui/bridge.py, server/cli.py): a GGUF
     # target held in RAM is read from here on, while torch is imported.
-    from minions_local.backends.target_read_ahead import read_named_profile_target_ahead
+    from minions_local.planning.target_read_ahead import read_named_profile_target_ahead
 
     read_named_profile_target_ahead(profile, target=args.target, minions=minions, **split)
     from minions_local import Engine

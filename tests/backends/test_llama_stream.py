@@ -139,21 +139,22 @@ def test_a_file_system_that_refuses_read_hints_still_loads_and_streams(model, mo
 
 
 def test_a_target_read_from_the_start_is_cached_and_its_load_takes_the_reader(model, tmp_path, monkeypatch):
-    """What the chat and the server start before torch is imported (target_read_ahead.py):
+    """What the chat and the server start before torch is imported (planning/target_read_ahead.py):
     the whole file read once, by one reader, which the load then takes as its own."""
-    from minions_local.backends import target_read_ahead
+    from minions_local.backends import llama_stream
     from minions_local.backends.llama_load import load_llama_target
+    from minions_local.planning import target_read_ahead
 
     monkeypatch.setenv("MINIONS_CACHE_DIR", str(tmp_path / "cache"))
     drop_page_cache(model)
     assert target_read_ahead.read_target_ahead(str(model)) and target_read_ahead.read_target_ahead(model)
-    (reader,) = target_read_ahead._readers.values()
+    (reader,) = llama_stream._early_readers.values()
     assert reader.wait(60)
     cached, pages = cached_pages(model)
     assert cached == pages
     target, _ = load_llama_target(model, context_tokens=256, threads=2)
     try:
-        assert not target_read_ahead._readers
+        assert not llama_stream._early_readers
     finally:
         target.close()
 
@@ -162,7 +163,8 @@ def test_only_a_gguf_that_surely_stays_resident_is_read_early(model, tmp_path, m
     """Nothing is read early for a file the plan may stream (over half the memory usable), a
     disk-tier profile's, one split over RPC, a path that is no GGUF, or a profile that does
     not load: each is left to the load, which names what is wrong."""
-    from minions_local.backends import target_read_ahead
+    from minions_local.backends import llama_stream
+    from minions_local.planning import target_read_ahead
     from minions_local.planning.machine_memory import MachineMemory
     from minions_local.profile import load_profile
 
@@ -175,6 +177,6 @@ def test_only_a_gguf_that_surely_stays_resident_is_read_early(model, tmp_path, m
     for path in (None, tmp_path / "missing.gguf", tmp_path, str(model) + ".txt"):
         assert not target_read_ahead.read_target_ahead(path)
     assert not target_read_ahead.read_named_profile_target_ahead("no-such-profile", target=str(model))
-    assert not target_read_ahead._readers
+    assert not llama_stream._early_readers
     assert target_read_ahead.read_named_profile_target_ahead("cpu-demo", target=str(model))
-    target_read_ahead.claim_read_ahead([model]).stop()
+    llama_stream.claim_read_ahead([model]).stop()

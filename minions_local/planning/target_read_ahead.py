@@ -1,7 +1,7 @@
 """A GGUF target's file read into the page cache from the moment its path is known, where
 it will be held in RAM: the chat and the server start it before torch is imported, the
 engine before it plans; `load_llama_target` then takes the reader as its own
-(`claim_read_ahead`) instead of starting one after the plan.
+(llama_stream.claim_read_ahead) instead of starting one after the plan.
 
 A first chat on an 8B-shaped Q4_K_M held in RAM spends ~2.5 s importing torch and
 planning before the load's own reader starts, while the disk sits idle, and the file's
@@ -17,18 +17,13 @@ Stdlib only (no torch, no numpy), so that calling it costs nothing before the im
 from __future__ import annotations
 
 import os
-import threading
-from pathlib import Path
 
-from minions_local.backends.llama_stream import FileReadAhead, Span
+from minions_local.backends.llama_stream import read_files_ahead
 from minions_local.models.gguf_file import shard_paths
 from minions_local.planning.machine_memory import usable_memory
 
 RESIDENT_SHARE = 0.5
 """Read early only a file at most this share of the memory usable now."""
-
-_readers: dict[tuple[str, ...], FileReadAhead] = {}
-_lock = threading.Lock()
 
 
 def read_target_ahead(path: str | os.PathLike | None) -> bool:
@@ -43,21 +38,11 @@ def read_target_ahead(path: str | os.PathLike | None) -> bool:
         sizes = [p.stat().st_size for p in paths]
     except OSError:
         return False
-    key = tuple(map(str, paths))
-    with _lock:
-        if key in _readers:
-            return True
-        memory = usable_memory()
-        if memory is None or sum(sizes) > RESIDENT_SHARE * memory.usable:
-            return False
-        _readers[key] = FileReadAhead(paths, [Span(i, 0, size) for i, size in enumerate(sizes)])
+    memory = usable_memory()
+    if memory is None or sum(sizes) > RESIDENT_SHARE * memory.usable:
+        return False
+    read_files_ahead(paths)
     return True
-
-
-def claim_read_ahead(paths: list[Path]) -> FileReadAhead | None:
-    """The reader read_target_ahead started for these files (the load's now: it stops it), or None."""
-    with _lock:
-        return _readers.pop(tuple(str(Path(p).resolve()) for p in paths), None)
 
 
 def read_profile_target_ahead(profile) -> bool:

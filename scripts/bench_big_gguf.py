@@ -182,8 +182,8 @@ def tool(run: ToolRun, limit: Limit) -> dict:
     if run.error:
         return {"error": run.error}
     return {"tok_s": run.tok_s, "tokens": run.tokens, "ttft": run.prompt_seconds, "load_seconds": run.load_seconds,
-            "ready_seconds": run.ready_seconds, "peak_group": limit.peak, "tokens_per_pass": (run.tokens / max(run.tokens - run.accepted, 1)
-                                                          if run.drafted else 1.0),
+            "ready_seconds": run.ready_seconds, "peak_group": limit.peak,
+            "tokens_per_pass": run.tokens / max(run.tokens - run.accepted, 1) if run.drafted else 1.0,
             "accept": run.accepted / run.drafted if run.drafted else None}
 
 

@@ -195,20 +195,13 @@ def find_mappings(paths: Sequence[Path]) -> list[int | None]:
     return found
 
 
-_PROT_READ, _MAP_SHARED = 1, 1
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 class _Libc:
     def __init__(self) -> None:
         self.lib = ctypes.CDLL(None, use_errno=True)
-        for name in ("madvise", "mlock", "munlock", "munmap"):
+        for name in ("madvise", "mlock", "munlock"):
             fn = getattr(self.lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_int] if name == "madvise" else [])
             fn.restype = ctypes.c_int
-        self.lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_long]
-        self.lib.mmap.restype = ctypes.c_void_p
 
 
 class PageCacheStreamer:

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from minions_local.planning.target_read_ahead import read_profile_target_ahead
 from minions_local.core.tiers import streams
 from minions_local.planning.fitting import load_fitted
 from minions_local.planning.memory_plan import MemoryPlan
+from minions_local.planning.target_read_ahead import read_profile_target_ahead
 from minions_local.profile import Profile
 
 

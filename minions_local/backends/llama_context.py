@@ -37,28 +37,33 @@ _INSTALL_HINT = (
 _GGML_LOG_ERROR = 4
 _llama: Any = None
 _log_callback: Any = None  # must outlive every llama.cpp call that may log
-_log_sinks: list[tuple[list[str], list[str] | None]] = []
-"""Each open `log_lines` block's lines, and the error lines it holds back from stderr (None: it holds none)."""
+_log_sinks: list[tuple[int, list[str], list[str] | None]] = []
+"""Each open `log_lines` block's thread, its lines, and the error lines it holds back from
+stderr (None: it holds none)."""
 _BUFFER_LINE = re.compile(r"\b(KV|output|compute) buffer size =\s*([0-9.]+) MiB")
 
 
 @contextlib.contextmanager
 def log_lines(*, hold_errors: bool = False) -> Iterator[list[str]]:
-    """Every line llama.cpp logs inside the block. `hold_errors`: its errors reach stderr
+    """Every line llama.cpp logs inside the block on this thread (and the lines of threads
+    in no block of their own: ggml's workers). `hold_errors`: its errors reach stderr
     only if the block ends without raising; a load that fails is then said by the error
-    the caller raises (naming the file and what to do), not by llama.cpp's lines."""
-    sink: tuple[list[str], list[str] | None] = ([], [] if hold_errors else None)
+    the caller raises (naming the file and what to do), not by llama.cpp's lines.
+    Per thread, because a target's model loads on a thread of its own beside the cut's
+    (llama_load._check_cut) or from before the imports (llama_early.py): each load's
+    error is said with its own lines."""
+    sink: tuple[int, list[str], list[str] | None] = (threading.get_ident(), [], [] if hold_errors else None)
     _log_sinks.append(sink)
     try:
-        yield sink[0]
+        yield sink[1]
     except BaseException:
-        if sink[1] is not None:
-            sink[1].clear()
+        if sink[2] is not None:
+            sink[2].clear()
         raise
     finally:
         _log_sinks.remove(sink)
-        if sink[1]:
-            _write_errors(sink[1])
+        if sink[2]:
+            _write_errors(sink[2], sink[0])
 
 
 @contextlib.contextmanager
@@ -75,7 +80,11 @@ def buffer_report() -> Iterator[dict[str, int]]:
                 sizes[match[1]] = sizes.get(match[1], 0) + round(float(match[2]) * 2**20)
 
 
-_switch_lock = threading.Lock()
+_switches = threading.Condition()
+_switch_holders: list[dict[str, str]] = []
+"""The settings of each load inside load_switches now (all equal)."""
+_switches_before: dict[str, str | None] = {}
+"""The environment's values of those settings before the first of them."""
 
 
 @contextlib.contextmanager
@@ -89,31 +98,61 @@ def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[No
         Outside it, a minion's load keeps ggml's own faster repacked layouts.
       - prefetch=False: the file is mapped without being read ahead (LLAMA_MMAP_PREFETCH=0),
         for a model whose layers stream (llama_stream.py), which reads what it keeps itself.
-    One load at a time holds the switches."""
+    Loads with the same switches hold them together (a model held in RAM loads beside its
+    cut, both interleaved); one with others waits until those loads are done."""
     settings = {**({"GGML_CPU_TILED_REPACK": "1"} if repack else {}),
                 **({} if prefetch else {"LLAMA_MMAP_PREFETCH": "0"})}
     if not settings:
         yield
         return
-    with _switch_lock:
-        before = {name: os.environ.get(name) for name in settings}
-        os.environ.update(settings)
-        try:
-            yield
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with _switches:
+        _switches.wait_for(lambda: not _switch_holders or _switch_holders[0] == settings)
+        if not _switch_holders:
+            _switches_before.clear()
+            _switches_before.update({name: os.environ.get(name) for name in settings})
+            os.environ.update(settings)
+        _switch_holders.append(settings)
+    try:
+        yield
+    finally:
+        with _switches:
+            _switch_holders.pop()
+            if not _switch_holders:
+                for name, value in _switches_before.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+                _switches.notify_all()
 
 
-def _write_errors(errors: list[str]) -> None:
-    holding = next((held for _, held in reversed(_log_sinks) if held is not None), None)
+def drop_held_errors() -> None:
+    """Forget the errors this thread's innermost holding block holds so far: an attempt
+    that failed and whose fallback says what is wrong in its own words."""
+    mine = [s for s in _log_sinks if s[0] == threading.get_ident()]
+    held = next((held for _, _, held in reversed(mine) if held is not None), None)
+    if held is not None:
+        held.clear()
+
+
+def _write_errors(errors: list[str], ending: int | None = None) -> None:
+    """Errors to the innermost block holding them, else to stderr: for a line just logged,
+    its thread's block (or any, from a thread in none); for the errors of a block `ending`
+    on that thread, an enclosing block of the same thread only (another thread's load
+    must not take them, nor drop them if it fails)."""
+    sinks = [s for s in _log_sinks if s[0] == ending] if ending is not None else _sinks_of(threading.get_ident())
+    holding = next((held for _, _, held in reversed(sinks) if held is not None), None)
     if holding is not None:
         holding.extend(errors)
     else:
         sys.stderr.write("".join(errors))
+
+
+def _sinks_of(thread: int) -> list[tuple[int, list[str], list[str] | None]]:
+    """The log_lines blocks a line logged on `thread` goes to: its own, or every block where
+    it has none (a ggml worker's line)."""
+    sinks = list(_log_sinks)
+    return [s for s in sinks if s[0] == thread] or sinks
 
 
 _switches_late = False
@@ -128,7 +167,16 @@ def switches_may_be_late() -> bool:
 
 
 def import_llama_cpp() -> Any:
-    """llama_cpp, initialised once with its chatty logging reduced to errors."""
+    """llama_cpp, initialised once with its chatty logging reduced to errors (once, also
+    when an early model load's thread and the engine's ask at the same time)."""
+    with _import_lock:
+        return _import_llama_cpp()
+
+
+_import_lock = threading.Lock()
+
+
+def _import_llama_cpp() -> Any:
     global _llama, _log_callback, _switches_late
     if _llama is None:
         problem = build_problem()
@@ -156,7 +204,7 @@ def import_llama_cpp() -> Any:
 
         def log(level: int, text: bytes, _user: Any) -> None:
             line = text.decode("utf-8", "replace")
-            for lines, _ in _log_sinks:
+            for _, lines, _ in _sinks_of(threading.get_ident()):
                 lines.append(line)
             if level == _GGML_LOG_ERROR:
                 _write_errors([line])

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minions_local.backends.llama_context import log_lines, switches_may_be_late
+from minions_local.backends.llama_context import drop_held_errors, log_lines, switches_may_be_late
+from minions_local.backends.llama_early import drop_early_models
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
 from minions_local.backends.llama_stream import (FileReadAhead, PageCacheStreamer, Span, claim_read_ahead, layer_spans,
                                                   resident_spans)
@@ -72,11 +73,13 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     if rpc and rpc.get("servers"):
         if early is not None:
             early.stop()
+        drop_early_models(model.path)
         return _load_split(model, n_ctx, threads, progress, rpc)
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
         if early is not None:  # the plan streams it after all: only the resident layers are read
             early.stop()
+        drop_early_models(model.path)  # (and the model loaded for RAM goes before it is mapped to stream)
         layers = len(layer_tiers)
         spans = layer_spans(model.files, layers)
         resident = spread_resident(layers, layer_tiers.count("device"))
@@ -213,6 +216,7 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
             cut = LlamaTarget(path, n_ctx=n_ctx, threads=threads, lone_rows=not has_lone_row_types(model.path),
                               interleave=interleave)
         except (ModelLoadError, OSError, ValueError):
+            drop_held_errors()  # the whole model's load is tried next, and names what is wrong
             return None, None
         stack.callback(cut.close)
         with ThreadPoolExecutor(1, thread_name_prefix="minions-load") as pool:

@@ -54,6 +54,7 @@ import torch
 
 from minions_local.backends.llama_cells import KVCache
 from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp, load_switches
+from minions_local.backends.llama_early import claim_early_model
 from minions_local.backends.llama_rows import (FLOAT_KV_ROWS, KV_TYPES, QUANTIZED_KV_ROWS, Row, RowCalls, TreeLayout,
                                                has_lone_row_types, lay_out)
 from minions_local.backends.llama_stream import PageCacheStreamer
@@ -101,8 +102,12 @@ class LlamaTarget(SlotStates):
         self.model = self.ctx = self.batch = None  # so close() works after a failed load
         mparams = self._model_params(n_gpu_layers)
         mparams.use_extra_bufts = interleave and streamer is None  # a copy made at load does not stream
-        with load_switches(repack=mparams.use_extra_bufts, prefetch=streamer is None):
-            self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        # loaded already where its path was known early (llama_early.py)
+        self.model = claim_early_model(self.path, n_gpu_layers=n_gpu_layers, interleave=mparams.use_extra_bufts,
+                                       prefetch=streamer is None) if type(self) is LlamaTarget else None
+        if not self.model:
+            with load_switches(repack=mparams.use_extra_bufts, prefetch=streamer is None):
+                self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "
                                  f"architecture this llama.cpp knows?")

@@ -1,7 +1,8 @@
 """A GGUF target's file read into the page cache from the moment its path is known, where
 it will be held in RAM: the chat and the server start it before torch is imported, the
 engine before it plans; `load_llama_target` then takes the reader as its own
-(llama_stream.claim_read_ahead) instead of starting one after the plan.
+(llama_stream.claim_read_ahead) instead of starting one after the plan. Where llama.cpp
+computes it, its model is loaded from then on too (backends/llama_early.py).
 
 A first chat on an 8B-shaped Q4_K_M held in RAM spends ~2.5 s importing torch and
 planning before the load's own reader starts, while the disk sits idle, and the file's
@@ -18,19 +19,21 @@ from __future__ import annotations
 
 import os
 
+from minions_local.backends.llama_early import load_model_early
 from minions_local.backends.llama_stream import read_files_ahead
 from minions_local.models.gguf_file import shard_paths
 from minions_local.planning.machine_memory import usable_memory
+from minions_local.planning.memory_plan import gguf_on_llama_cpp
 
 RESIDENT_SHARE = 0.5
 """Read early only a file at most this share of the memory usable now."""
 
 
-def read_target_ahead(path: str | os.PathLike | None) -> bool:
+def read_target_ahead(path: str | os.PathLike | None, *, on_llama_cpp: bool = False) -> bool:
     """Start reading the GGUF target at `path` (any shard of a split one) on a thread of its
-    own when it will be held in RAM; whether a reader runs for it now. Anything else (no
-    path, not a .gguf, a missing file, too large) starts nothing and says nothing: the
-    load names a bad file."""
+    own when it will be held in RAM, and with `on_llama_cpp` loading its model on another;
+    whether a reader runs for it now. Anything else (no path, not a .gguf, a missing file,
+    too large) starts nothing and says nothing: the load names a bad file."""
     if path is None or not str(path).lower().endswith(".gguf"):
         return False
     try:
@@ -42,6 +45,8 @@ def read_target_ahead(path: str | os.PathLike | None) -> bool:
     if memory is None or sum(sizes) > RESIDENT_SHARE * memory.usable:
         return False
     read_files_ahead(paths)
+    if on_llama_cpp:
+        load_model_early(paths[0])
     return True
 
 
@@ -52,7 +57,8 @@ def read_profile_target_ahead(profile) -> bool:
     read early, its streamed layers would come from RAM)."""
     if profile.target.rpc or profile.hardware.device != "cpu" or profile.target.tier == "disk":
         return False
-    return read_target_ahead(profile.target.path)
+    return read_target_ahead(profile.target.path,
+                             on_llama_cpp=gguf_on_llama_cpp(profile.target.gguf_kernel, profile.hardware.device))
 
 
 def read_named_profile_target_ahead(profile: str | os.PathLike, **overrides) -> bool:

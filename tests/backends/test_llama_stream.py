@@ -44,22 +44,39 @@ def test_resident_spans_are_the_kept_layers_and_everything_outside_the_layers(mo
     assert sum(s.size for s in outside) == files[0].size - sum(s.size for parts in spans for s in parts)
 
 
-def test_the_loads_read_ahead_caches_every_byte_it_is_given(model, monkeypatch):
+@pytest.mark.parametrize("splice", [True, False], ids=["sendfile", "plain reads"])
+def test_the_loads_read_ahead_caches_every_byte_it_is_given(model, monkeypatch, splice):
     """FileReadAhead leaves every page of its ranges in the page cache: a range of several
-    chunks and a part of one, with neither end on a page boundary."""
+    chunks and a part of one, with neither end on a page boundary; spliced to /dev/null,
+    or read where the kernel refuses the splice."""
+    import errno
+    import os
+
     from minions_local.backends import llama_stream
     from minions_local.backends.llama_stream import FileReadAhead, Span
 
+    spliced = []
+    real = os.sendfile
+
+    def sendfile(*args):
+        if not splice:
+            raise OSError(errno.EINVAL, "no splice from this file system")
+        spliced.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
     monkeypatch.setattr(FileReadAhead, "CHUNK", 1 << 20)  # the test model is ~10 MB
     size = model.stat().st_size
-    part = Span(0, size // 3 + 1, size - 5)
-    assert part.size > 2.5 * FileReadAhead.CHUNK
+    part, tail = Span(0, size // 6 + 1, size // 2 - 5), Span(0, 2 * size // 3 + 7, size)  # (the tail is spliced)
+    assert part.size > 2.5 * FileReadAhead.CHUNK and tail.size > 2.5 * FileReadAhead.CHUNK
     drop_page_cache(model)
-    ahead = FileReadAhead([model], [part])
+    ahead = FileReadAhead([model], [part, tail])
     assert ahead.wait(60)
     ahead.stop()
-    cached, pages = cached_pages(model, part.start - part.start % llama_stream.PAGE, part.end)
-    assert cached == pages, (cached, pages)
+    for span in (part, tail):
+        cached, pages = cached_pages(model, span.start - span.start % llama_stream.PAGE, span.end)
+        assert cached == pages, (span, cached, pages)
+    assert sum(spliced) == (tail.size if splice else 0)
 
 
 def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(model, tmp_path, monkeypatch):
@@ -180,3 +197,7 @@ def test_only_a_gguf_that_surely_stays_resident_is_read_early(model, tmp_path, m
     assert not llama_stream._early_readers
     assert target_read_ahead.read_named_profile_target_ahead("cpu-demo", target=str(model))
     llama_stream.claim_read_ahead([model]).stop()
+    from minions_local.backends import llama_early
+
+    assert list(llama_early._loads) == [str(model.resolve())]  # cpu-demo computes a GGUF on llama.cpp
+    llama_early.drop_early_models()

@@ -136,11 +136,11 @@ class FileReadAhead:
             for span in self._ranges:
                 if span.file not in fds:
                     fds[span.file] = os.open(self._paths[span.file], os.O_RDONLY)
-                to_end = span.end >= os.fstat(fds[span.file]).st_size
+                whole = span.start == 0 and span.end >= os.fstat(fds[span.file]).st_size
                 for a in range(span.start, span.end, self.CHUNK):
                     if self._stop.is_set():
                         return
-                    if read(fds[span.file], a, min(self.CHUNK, span.end - a), splice=to_end) <= 0:
+                    if read(fds[span.file], a, min(self.CHUNK, span.end - a), splice=whole) <= 0:
                         break  # the file is shorter than it was: llama.cpp's own read says so
         except OSError:
             return  # a hint, not a load: llama.cpp's own read reports the file's faults
@@ -166,11 +166,12 @@ class _read_to_null:
     core: on the 2-core EPYC VM a buffered read of the 8B-shaped Q4_K_M (4.35 GB) spent 8.6
     s of system time (6.4 s with the file already cached, the copy alone), its sendfile
     0.2 s, while the load's own threads and the imports waited for the CPU. But a splice
-    moves 64 KB at a time, so the kernel's readahead takes it for a sequential reader and
-    reads up to its window (8 MB) past the range: only a range that ends at the file's end
-    is spliced (a whole file read early), not the resident layers of a streamed model,
-    whose neighbours are to stay out of memory. Else, and where the kernel refuses the
-    splice: plain reads into one scratch buffer."""
+    moves 64 KB at a time, and the kernel's readahead around it read more than the range
+    asked: spliced, the resident spans of a streamed model (a test's 8-layer file) brought
+    a streamed layer next to them into memory, which plain reads of the same spans did
+    not. So only a whole file is spliced (one held in RAM), not the resident layers of a
+    streamed model, whose neighbours are to stay out. Else, and where the kernel refuses
+    the splice: plain reads into one scratch buffer."""
 
     def __init__(self) -> None:
         self._null: int | None = os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None

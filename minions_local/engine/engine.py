@@ -21,7 +21,6 @@ import torch
 
 from minions_local.core.protocols import Minion
 from minions_local.backends.hf import resolve_dtype
-from minions_local.backends.llama_early import drop_early_models
 from minions_local.backends.llama_remote import RemoteLlamaTarget
 from minions_local.backends.llama_target import LlamaTarget
 from minions_local.core.errors import (ContextOverflowError, EngineBusyError, GenerationCancelled, MinionsError,
@@ -117,19 +116,6 @@ class Engine:
                                       "timeout": (stream_options or {}).get("rpc", {}).get("timeout")}}
         if threads:
             torch.set_num_threads(threads)
-        try:
-            return cls._load(target, minions, device=device, dtype=dtype, compute_dtype=compute_dtype,
-                             target_tier=target_tier, budget=budget, max_depth=max_depth, top_k=top_k,
-                             selection=selection, grow_ahead=grow_ahead, progress=progress,
-                             stream_options=stream_options, profile_name=profile_name, memory_plan=memory_plan)
-        finally:
-            drop_early_models()  # a target's model loaded early that the load did not take (llama_early.py)
-
-    @classmethod
-    def _load(cls, target: str | Path, minions: Sequence[str | Path | Minion], *, device: str, dtype: Any,
-              compute_dtype: Any, target_tier: str, budget: Any, max_depth: int, top_k: int, selection: str,
-              grow_ahead: bool | str, progress: Callable[[LoadProgress], None] | None,
-              stream_options: dict[str, Any] | None, profile_name: str, memory_plan: Any) -> Engine:
         torch_dtype = resolve_dtype(dtype)
         target_model, tokenizer = load_target(target, dtype=torch_dtype, device=device, tier=target_tier,
                                               progress=progress, stream_options=stream_options or {},
@@ -164,13 +150,10 @@ class Engine:
                      progress: Callable[[LoadProgress], None] | None = None, **overrides: Any) -> Engine:
         """Load what a hardware profile describes (see profiles/); keyword overrides
         (target=PATH, minions=[...], tier=..., and from_pretrained options) win."""
-        from minions_local.engine.from_profile import engine_kwargs_from_profile
+        from minions_local.engine.from_profile import engine_kwargs_from_profile, untaken_models_freed
 
-        try:
-            kwargs = engine_kwargs_from_profile(name_or_path, **overrides)
-            return cls.from_pretrained(progress=progress, **kwargs)
-        finally:
-            drop_early_models()  # also where the plan failed before the load began
+        with untaken_models_freed():
+            return cls.from_pretrained(progress=progress, **engine_kwargs_from_profile(name_or_path, **overrides))
 
     # --- information for callers ------------------------------------------------------
 

@@ -8,15 +8,29 @@ never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
+from minions_local.backends.llama_early import drop_early_models
 from minions_local.core.tiers import streams
 from minions_local.planning.fitting import load_fitted
 from minions_local.planning.memory_plan import MemoryPlan
 from minions_local.planning.target_read_ahead import read_profile_target_ahead
 from minions_local.profile import Profile
+
+
+@contextlib.contextmanager
+def untaken_models_freed() -> Iterator[None]:
+    """Around a load from a profile: a target's model that llama.cpp loaded early
+    (engine_kwargs_from_profile starts it: backends/llama_early.py) and the load did not
+    take (it streamed the target after all, or it failed, the plan included) is freed at
+    the end, not held for the process's life."""
+    try:
+        yield
+    finally:
+        drop_early_models()
 
 
 def engine_kwargs_from_profile(

@@ -137,7 +137,8 @@ def test_each_thread_s_log_lines_are_its_own(capfd):
 
     llama_context.import_llama_cpp()
     log = llama_context._log_callback
-    inside, go = threading.Barrier(2, timeout=10), {"a": threading.Event(), "b": threading.Event()}
+    inside, logged = threading.Barrier(2, timeout=10), threading.Barrier(3, timeout=10)
+    go = {"a": threading.Event(), "b": threading.Event()}
     seen: dict[str, list[str]] = {}
 
     def load(name: str) -> None:
@@ -147,6 +148,7 @@ def test_each_thread_s_log_lines_are_its_own(capfd):
                 inside.wait()
                 log(2, f"{name} info\n".encode(), None)
                 log(4, f"{name} error\n".encode(), None)
+                logged.wait()
                 go[name].wait(10)
                 if name == "a":
                     raise RuntimeError  # a failed load: its errors go with it
@@ -156,7 +158,7 @@ def test_each_thread_s_log_lines_are_its_own(capfd):
     threads = [threading.Thread(target=load, args=(n,)) for n in ("a", "b")]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    logged.wait()
     log(2, b"worker\n", None)
     go["b"].set()  # b ends well while a still holds its errors: b's are not a's to drop
     threads[1].join(10)
@@ -172,16 +174,17 @@ def test_loads_with_the_same_switches_share_them_and_others_wait():
 
     assert "GGML_CPU_TILED_REPACK" not in os.environ
     order: list[str] = []
-    both_in = threading.Barrier(2, timeout=10)
+    both_in, inside = threading.Barrier(2, timeout=10), threading.Event()
 
     def interleaved(name: str) -> None:
         with load_switches(repack=True):
             both_in.wait()  # would time out if the second waited for the first
             order.append(f"{name} {os.environ.get('GGML_CPU_TILED_REPACK')} {os.environ.get('LLAMA_MMAP_PREFETCH')}")
+            inside.set()
             time.sleep(0.3)
 
     def streamed() -> None:
-        time.sleep(0.1)
+        inside.wait(10)
         with load_switches(prefetch=False):
             order.append(f"streamed {os.environ.get('GGML_CPU_TILED_REPACK')} {os.environ.get('LLAMA_MMAP_PREFETCH')}")
 

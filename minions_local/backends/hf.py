@@ -232,9 +232,10 @@ class CachedModel(SlotStates):
         entries appended to the cache."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with attention_kernels(ids.device):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             **{_cache_arg(self.model): self.cache},
                              use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
-        self.cache = out.past_key_values
+        self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         if self.keep_hidden:
             self.last_hidden = out.hidden_states[-1][0]  # transformers' last entry is the normed one
         return (out.logits[0, -1:] if prefill else out.logits[0]).float()
@@ -276,3 +277,16 @@ def _dynamic_cache():
     from transformers import DynamicCache
 
     return DynamicCache()
+
+
+def _cache_arg(model) -> str:
+    """The name a causal LM's forward takes its KV cache by: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name still works there, with a FutureWarning
+    printed into the user's chat); older releases know only the old one."""
+    kind = type(model)
+    if kind not in _CACHE_ARGS:
+        _CACHE_ARGS[kind] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _CACHE_ARGS[kind]
+
+
+_CACHE_ARGS: dict[type, str] = {}

@@ -124,45 +124,27 @@ def write_cut_model(model: Any, layers: list[int], out: Any) -> int:
     header = MAGIC + struct.pack("<IQQ", first.version, len(keep), pairs) + meta + bytes(infos)
     out.write(header + bytes(-len(header) % alignment))
     data_start = len(header) + (-len(header) % alignment)
+    # Copied through Python's buffers, not by sendfile: a splice of the file's last tensors
+    # made the kernel's readahead bring the streamed layer before them into memory (a
+    # streamed load's test), as the reader's splices did (llama_stream._read_to_null).
     handles: dict[Path, Any] = {}
     try:
         for (name, t, path), at in zip(keep, offsets):
             src = handles.get(path) or handles.setdefault(path, open(path, "rb"))
             out.seek(data_start + at)
-            if _copy_bytes(src, t.offset, t.nbytes, out) < t.nbytes:
-                raise ValueError(f"{path} ends inside tensor {name}")
+            src.seek(t.offset)
+            left = t.nbytes
+            while left:
+                chunk = src.read(min(left, _COPY_CHUNK))
+                if not chunk:
+                    raise ValueError(f"{path} ends inside tensor {name}")
+                out.write(chunk)
+                left -= len(chunk)
     finally:
         for h in handles.values():
             h.close()
     out.truncate(data_start + offset)
     return data_start + offset
-
-
-def _copy_bytes(src: Any, offset: int, count: int, out: Any) -> int:
-    """Copy `count` bytes of the binary file `src` from `offset` to `out` at its position;
-    how many there were. In the kernel where it can (sendfile: one copy, none through
-    Python's buffers: the cut's 0.4 GB took 1.8-2.5 s read and written on the 2-core EPYC
-    VM, beside the target's load), else read and written a chunk at a time."""
-    done = 0
-    if hasattr(os, "sendfile"):
-        out.flush()
-        try:
-            while done < count:
-                sent = os.sendfile(out.fileno(), src.fileno(), offset + done, count - done)
-                if sent <= 0:
-                    return done
-                done += sent
-            return done
-        except OSError:
-            out.seek(os.lseek(out.fileno(), 0, os.SEEK_CUR))  # where sendfile stopped: the rest is copied below
-    src.seek(offset + done)
-    while done < count:
-        chunk = src.read(min(count - done, _COPY_CHUNK))
-        if not chunk:
-            break
-        out.write(chunk)
-        done += len(chunk)
-    return done
 
 
 @contextlib.contextmanager

@@ -71,31 +71,6 @@ def test_the_cut_holds_every_kind_of_layer_tensor_and_loads(mixed, tmp_path):
     target.close()
 
 
-def test_the_cut_is_the_same_bytes_where_the_kernel_cannot_copy_it(mixed, tmp_path, monkeypatch):
-    """write_cut_model copies tensors in the kernel (sendfile); refused there at once or
-    after a first part, it copies the rest itself, to the same bytes."""
-    import errno
-
-    from minions_local.backends.llama_check_model import write_cut_model
-    from minions_local.models.gguf_file import read_model
-
-    model = read_model(mixed)
-    with open(tmp_path / "kernel.gguf", "w+b") as out:
-        write_cut_model(model, [1, 2], out)
-    real, calls = os.sendfile, []
-
-    def half_then_refuse(out_fd, in_fd, offset, count):
-        calls.append(count)
-        if len(calls) % 2:
-            return real(out_fd, in_fd, offset, max(1, count // 2))
-        raise OSError(errno.EINVAL, "no splice here")
-
-    monkeypatch.setattr(os, "sendfile", half_then_refuse)
-    with open(tmp_path / "copied.gguf", "w+b") as out:
-        write_cut_model(model, [1, 2], out)
-    assert calls and (tmp_path / "copied.gguf").read_bytes() == (tmp_path / "kernel.gguf").read_bytes()
-
-
 def test_the_cut_of_a_split_model_is_one_file(folder, tmp_path):
     from minions_local.backends.llama_check_model import covering_layers, cut_model_path
     from minions_local.backends.llama_target import LlamaTarget

@@ -245,11 +245,7 @@ class CachedModel(SlotStates):
         (`logits_to_keep`); a model class without the argument computes every row."""
         if not prefill:
             return {}
-        if self._takes_logits_to_keep is None:
-            self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        return {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
-
-    _takes_logits_to_keep: bool | None = None
+        return {"logits_to_keep": 1} if _forward_takes(self.model, "logits_to_keep") else {}
 
     keep_hidden = False
     """Whether passes keep their final normed hidden states in `last_hidden` (a target
@@ -283,10 +279,15 @@ def _cache_arg(model) -> str:
     """The name a causal LM's forward takes its KV cache by: transformers 5.24 renamed
     `past_key_values` to `cache` (the old name still works there, with a FutureWarning
     printed into the user's chat); older releases know only the old one."""
-    kind = type(model)
-    if kind not in _CACHE_ARGS:
-        _CACHE_ARGS[kind] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return _CACHE_ARGS[kind]
+    return "cache" if _forward_takes(model, "cache") else "past_key_values"
 
 
-_CACHE_ARGS: dict[type, str] = {}
+def _forward_takes(model, keyword: str) -> bool:
+    """Whether the model class's forward has this keyword (read once per class)."""
+    key = (type(model), keyword)
+    if key not in _FORWARD_TAKES:
+        _FORWARD_TAKES[key] = keyword in inspect.signature(model.forward).parameters
+    return _FORWARD_TAKES[key]
+
+
+_FORWARD_TAKES: dict[tuple[type, str], bool] = {}

@@ -126,13 +126,24 @@ def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[No
                 _switches.notify_all()
 
 
+def load_model_file(lib: Any, path: str | os.PathLike, params: Any, *, prefetch: bool = True) -> Any:
+    """llama.cpp's load of the model file at `path` with `params`, inside the switches they
+    ask (the interleaved Q4_K copy where `params.use_extra_bufts`): a target's load and its
+    early load (llama_early.py) make the same call. NULL where llama.cpp refuses it."""
+    with load_switches(repack=params.use_extra_bufts, prefetch=prefetch):
+        return lib.llama_model_load_from_file(str(path).encode(), params)
+
+
 def drop_held_errors() -> None:
     """Forget the errors this thread's innermost holding block holds so far: an attempt
     that failed and whose fallback says what is wrong in its own words."""
-    mine = [s for s in _log_sinks if s[0] == threading.get_ident()]
-    held = next((held for _, _, held in reversed(mine) if held is not None), None)
+    held = _innermost_held([s for s in _log_sinks if s[0] == threading.get_ident()])
     if held is not None:
         held.clear()
+
+
+def _innermost_held(sinks: list[tuple[int, list[str], list[str] | None]]) -> list[str] | None:
+    return next((held for _, _, held in reversed(sinks) if held is not None), None)
 
 
 def _write_errors(errors: list[str], ending: int | None = None) -> None:
@@ -141,7 +152,7 @@ def _write_errors(errors: list[str], ending: int | None = None) -> None:
     on that thread, an enclosing block of the same thread only (another thread's load
     must not take them, nor drop them if it fails)."""
     sinks = [s for s in _log_sinks if s[0] == ending] if ending is not None else _sinks_of(threading.get_ident())
-    holding = next((held for _, _, held in reversed(sinks) if held is not None), None)
+    holding = _innermost_held(sinks)
     if holding is not None:
         holding.extend(errors)
     else:

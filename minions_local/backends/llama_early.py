@@ -35,7 +35,7 @@ class _EarlyLoad:
         threading.Thread(target=self._run, name="target-early-load", daemon=True).start()
 
     def _run(self) -> None:
-        from minions_local.backends.llama_context import drop_held_errors, import_llama_cpp, load_switches, log_lines
+        from minions_local.backends.llama_context import drop_held_errors, import_llama_cpp, load_model_file, log_lines
         from minions_local.models.gguf_file import read_model
 
         try:
@@ -43,10 +43,9 @@ class _EarlyLoad:
             lib = import_llama_cpp()
             params = lib.llama_model_default_params()
             params.n_gpu_layers = 0
-            params.use_extra_bufts = True  # the interleaved Q4_K copy (load_switches)
+            params.use_extra_bufts = True  # the interleaved Q4_K copy, as LlamaTarget held in RAM
             with log_lines(hold_errors=True):
-                with load_switches(repack=True, prefetch=True):
-                    self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+                self.model = load_model_file(lib, self.path, params)
                 if not self.model:
                     drop_held_errors()  # LlamaTarget's own load says them
         except Exception:  # nothing is loaded early; the load proper reports the problem

@@ -71,15 +71,11 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
     n_ctx = min(context_tokens, train) if train else context_tokens
     early = claim_read_ahead(model.paths)  # read since the path was known (planning/target_read_ahead.py)
     if rpc and rpc.get("servers"):
-        if early is not None:
-            early.stop()
-        drop_early_models(model.path)
+        _give_up_early(early, model.path)
         return _load_split(model, n_ctx, threads, progress, rpc)
     streamer = None
     if layer_tiers and any(t != "device" for t in layer_tiers):
-        if early is not None:  # the plan streams it after all: only the resident layers are read
-            early.stop()
-        drop_early_models(model.path)  # (and the model loaded for RAM goes before it is mapped to stream)
+        _give_up_early(early, model.path)  # the plan streams it after all: only the resident layers are read
         layers = len(layer_tiers)
         spans = layer_spans(model.files, layers)
         resident = spread_resident(layers, layer_tiers.count("device"))
@@ -92,6 +88,14 @@ def load_llama_target(path: Path, *, context_tokens: int = 4096, threads: int | 
         return _load_local(model, n_ctx, threads, progress, streamer, time_shape, time_lone)
     finally:
         ahead.stop()
+
+
+def _give_up_early(reader: FileReadAhead | None, path: Path) -> None:
+    """What was started for a target held in RAM, where it will not be: the whole file's
+    reader stops, and the model loaded early is freed before the file is mapped again."""
+    if reader is not None:
+        reader.stop()
+    drop_early_models(path)
 
 
 def _load_local(model: Any, n_ctx: int, threads: int | None, progress: Progress | None,

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from minions_local.backends.llama_cells import KVCache
-from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp, load_switches
+from minions_local.backends.llama_context import buffer_report, ggml_function, import_llama_cpp, load_model_file
 from minions_local.backends.llama_early import claim_early_model
 from minions_local.backends.llama_rows import (FLOAT_KV_ROWS, KV_TYPES, QUANTIZED_KV_ROWS, Row, RowCalls, TreeLayout,
                                                has_lone_row_types, lay_out)
@@ -106,8 +106,7 @@ class LlamaTarget(SlotStates):
         self.model = claim_early_model(self.path, n_gpu_layers=n_gpu_layers, interleave=mparams.use_extra_bufts,
                                        prefetch=streamer is None) if type(self) is LlamaTarget else None
         if not self.model:
-            with load_switches(repack=mparams.use_extra_bufts, prefetch=streamer is None):
-                self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+            self.model = load_model_file(lib, self.path, mparams, prefetch=streamer is None)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "
                                  f"architecture this llama.cpp knows?")

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from minions_local.core.errors import MemoryPlanError, ModelLoadError
 from minions_local.models.gguf_file import read_model
-from minions_local.models.llama_probe import llama_cpp_refusal, unknown_architecture, unknown_architecture_message
+from minions_local.models.llama_probe import unknown_architecture, unknown_architecture_message
 from minions_local.models.minion_search import find_minions, size_text
 from minions_local.models.vocabulary import check_same_tokens, model_tokens
 from minions_local.planning.machine_memory import GB, MachineMemory, usable_memory
@@ -113,6 +113,8 @@ def fit_to_machine(profile: Profile, *, minions_named: bool, tier_named: bool,
 
 
 def _check_llama_cpp_loads(path: Path) -> None:
+    from minions_local.backends.llama_context import llama_cpp_refusal
+
     said = llama_cpp_refusal(path)
     if said:
         architecture = unknown_architecture(said)

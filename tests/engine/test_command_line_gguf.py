@@ -84,12 +84,13 @@ def test_the_chat_and_the_server_say_what_they_chose(files):
     assert "minions-serve: memory: " in err.getvalue() and "minions-serve: minion small: " in err.getvalue()
 
 
-def test_an_architecture_llama_cpp_does_not_know_is_named(files):
+def test_an_architecture_llama_cpp_does_not_know_is_named(files, capfd):
     from minions_local.backends.llama_load import load_llama_target
     from minions_local.planning.report import plan_report
 
     want = r"llama.cpp cannot run .*target.gguf: its architecture 'foo' is not one this llama.cpp knows"
     with pytest.raises(ModelLoadError, match=want):
         plan_report("cpu-demo", target=str(files["foreign"]))
+    assert capfd.readouterr().err == ""  # asked in this process: llama.cpp's own lines are not printed
     with pytest.raises(ModelLoadError, match=want):
         load_llama_target(files["foreign"], context_tokens=256)

@@ -59,7 +59,8 @@ from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children, top_children
 from minions_local.backends.gguf_request import RequestTree
 from minions_local.backends.llama_context import (KV_TYPES, MAX_SEQUENCES, LlamaContext, buffer_report,
-                                                  context_params, import_llama_cpp, runs_per_block)
+                                                  context_params, import_llama_cpp, load_model_file,
+                                                  runs_per_block)
 
 _MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
 
@@ -122,7 +123,7 @@ class GGUFMinion(SlotStates, BaseMinion):
 
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model = load_model_file(lib, self.path, mparams, interleave=False)  # ggml's own layouts
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file?")
         self._vocab = lib.llama_model_get_vocab(self._model)
@@ -153,7 +154,11 @@ class GGUFMinion(SlotStates, BaseMinion):
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **kwargs: Any) -> GGUFMinion:
-        return cls(path, **kwargs)
+        """The minion at `path`: the one made early for it (llama_early.build_minion_early)
+        where its options are these, else made now."""
+        from minions_local.backends.llama_early import claim_early_minion
+
+        return (claim_early_minion(path, kwargs) if cls is GGUFMinion else None) or cls(path, **kwargs)
 
     # --- the Minion protocol ------------------------------------------------------------
 

@@ -87,36 +87,30 @@ _switches_before: dict[str, str | None] = {}
 """The environment's values of those settings before the first of them."""
 
 
-@contextlib.contextmanager
-def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[None]:
-    """Inside the block (a target's load), our patched llama.cpp's load-time switches
-    (scripts/llama_cpp_patches/), read from the environment as the file is mapped and each
-    weight placed; without the patches they change nothing.
-      - repack: ggml repacks no weights but its Q4_K matrices, interleaved for the tiled
-        kernel's 16-row form, whose outputs keep the file layout's bits
-        (GGML_CPU_TILED_REPACK=1; on a CPU without AVX-512 VNNI nothing is repacked).
-        Outside it, a minion's load keeps ggml's own faster repacked layouts.
-      - prefetch=False: the file is mapped without being read ahead (LLAMA_MMAP_PREFETCH=0),
-        for a model whose layers stream (llama_stream.py), which reads what it keeps itself.
-    Loads with the same switches hold them together (a model held in RAM loads beside its
-    cut, both interleaved); one with others waits until those loads are done."""
-    settings = {**({"GGML_CPU_TILED_REPACK": "1"} if repack else {}),
-                **({} if prefetch else {"LLAMA_MMAP_PREFETCH": "0"})}
-    if not settings:
-        yield
-        return
-    with _switches:
-        _switches.wait_for(lambda: not _switch_holders or _switch_holders[0] == settings)
-        if not _switch_holders:
-            _switches_before.clear()
-            _switches_before.update({name: os.environ.get(name) for name in settings})
-            os.environ.update(settings)
-        _switch_holders.append(settings)
-    try:
-        yield
-    finally:
+class SwitchHold:
+    """A load's hold on the switches (load_switches): `release()` lets loads asking other
+    switches go on once llama.cpp has read these (load_model_file: at its first weight)."""
+
+    def __init__(self, settings: dict[str, str]) -> None:
+        self.settings = settings
+        self.held = False
+
+    def take(self) -> None:
         with _switches:
-            _switch_holders.pop()
+            _switches.wait_for(lambda: not _switch_holders or _switch_holders[0] == self.settings)
+            if not _switch_holders:
+                _switches_before.clear()
+                _switches_before.update({name: os.environ.get(name) for name in self.settings})
+                os.environ.update(self.settings)
+            _switch_holders.append(self.settings)
+            self.held = True
+
+    def release(self) -> None:
+        with _switches:
+            if not self.held:
+                return
+            self.held = False
+            _switch_holders.remove(self.settings)
             if not _switch_holders:
                 for name, value in _switches_before.items():
                     if value is None:
@@ -126,12 +120,55 @@ def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[No
                 _switches.notify_all()
 
 
-def load_model_file(lib: Any, path: str | os.PathLike, params: Any, *, prefetch: bool = True) -> Any:
-    """llama.cpp's load of the model file at `path` with `params`, inside the switches they
-    ask (the interleaved Q4_K copy where `params.use_extra_bufts`): a target's load and its
-    early load (llama_early.py) make the same call. NULL where llama.cpp refuses it."""
-    with load_switches(repack=params.use_extra_bufts, prefetch=prefetch):
-        return lib.llama_model_load_from_file(str(path).encode(), params)
+@contextlib.contextmanager
+def load_switches(*, repack: bool = False, prefetch: bool = True) -> Iterator[SwitchHold]:
+    """Inside the block (a model's load), our patched llama.cpp's load-time switches
+    (scripts/llama_cpp_patches/), read from the environment as the file is mapped and each
+    weight's buffer chosen; without the patches they change nothing.
+      - repack: ggml repacks no weights but its Q4_K matrices, interleaved for the tiled
+        kernel's 16-row form, whose outputs keep the file layout's bits
+        (GGML_CPU_TILED_REPACK=1; on a CPU without AVX-512 VNNI nothing is repacked).
+        Outside it (a minion's load) ggml keeps its own faster repacked layouts.
+      - prefetch=False: the file is mapped without being read ahead (LLAMA_MMAP_PREFETCH=0),
+        for a model whose layers stream (llama_stream.py), which reads what it keeps itself.
+    Loads with the same switches hold them together (a model held in RAM loads beside its
+    cut, both interleaved); one with others, none included (a minion's), waits until those
+    loads are done or have released them (SwitchHold.release)."""
+    hold = SwitchHold({**({"GGML_CPU_TILED_REPACK": "1"} if repack else {}),
+                       **({} if prefetch else {"LLAMA_MMAP_PREFETCH": "0"})})
+    hold.take()
+    try:
+        yield hold
+    finally:
+        hold.release()
+
+
+def load_model_file(lib: Any, path: str | os.PathLike, params: Any, *, interleave: bool,
+                    prefetch: bool = True) -> Any:
+    """llama.cpp's load of the model file at `path` with `params`, inside the switches it
+    asks (`interleave`: the interleaved Q4_K copy of a target held in RAM; else ggml's own
+    layouts, a minion's); a target's load, its early load (llama_early.py) and a GGUF
+    minion's make this call. NULL where llama.cpp refuses the file.
+
+    The switches are let go once llama.cpp logs its weights' buffers ("model buffer size"):
+    by then it has mapped the file and chosen and made every weight's buffer (what reads
+    the switches), and what is left is reading and copying the weights, seconds of an 8B
+    held in RAM, during which a minion's load (other switches) goes on instead of waiting.
+    A log line, not llama.cpp's progress callback: that one is called for every tensor,
+    each call waiting for the GIL while the imports hold it (the 8B's load beside a busy
+    interpreter took 8.6-13.3 s against 6.2-9.5 without)."""
+    with load_switches(repack=interleave, prefetch=prefetch) as hold:
+        thread = threading.get_ident()
+        _line_watchers[thread] = lambda line: hold.release() if _BUFFERS_MADE in line else None
+        try:
+            return lib.llama_model_load_from_file(os.fsencode(path), params)
+        finally:
+            _line_watchers.pop(thread, None)
+
+
+_BUFFERS_MADE = "model buffer size"
+_line_watchers: dict[int, Any] = {}
+"""A function per thread given each line llama.cpp logs on that thread (load_model_file)."""
 
 
 def drop_held_errors() -> None:
@@ -239,8 +276,15 @@ def _import_llama_cpp() -> Any:
 
         def log(level: int, text: bytes, _user: Any) -> None:
             line = text.decode("utf-8", "replace")
-            for _, lines, _ in _sinks_of(threading.get_ident()):
+            thread = threading.get_ident()
+            for _, lines, _ in _sinks_of(thread):
                 lines.append(line)
+            watcher = _line_watchers.get(thread)
+            if watcher is not None:
+                try:
+                    watcher(line)
+                except Exception:  # noqa: BLE001 - a callback that raises loses the line's caller
+                    pass
             if level == _GGML_LOG_ERROR:
                 _write_errors([line])
 

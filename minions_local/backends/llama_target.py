@@ -106,7 +106,8 @@ class LlamaTarget(SlotStates):
         self.model = claim_early_model(self.path, n_gpu_layers=n_gpu_layers, interleave=mparams.use_extra_bufts,
                                        prefetch=streamer is None) if type(self) is LlamaTarget else None
         if not self.model:
-            self.model = load_model_file(lib, self.path, mparams, prefetch=streamer is None)
+            self.model = load_model_file(lib, self.path, mparams, interleave=mparams.use_extra_bufts,
+                                         prefetch=streamer is None)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a complete GGUF model file of an "
                                  f"architecture this llama.cpp knows?")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from minions_local.backends.llama_early import load_model_early
+from minions_local.backends.llama_early import build_minion_early, load_model_early
 from minions_local.backends.llama_stream import read_files_ahead
 from minions_local.models.gguf_file import shard_paths
 from minions_local.planning.machine_memory import usable_memory
@@ -50,15 +50,25 @@ def read_target_ahead(path: str | os.PathLike | None, *, on_llama_cpp: bool = Fa
     return True
 
 
-def read_profile_target_ahead(profile) -> bool:
+def read_profile_target_ahead(profile, *, minions_known: bool = True) -> bool:
     """read_target_ahead for a loaded profile's target where this machine computes all of
     it: a CPU profile's, not one split over RPC servers (each reads its own layers), nor
     one whose tier lets it stream from disk (cpu-demo-gguf-disk streams a file that fits:
-    read early, its streamed layers would come from RAM)."""
+    read early, its streamed layers would come from RAM). Where its model loads early, so
+    do the profile's GGUF minions on the CPU when `minions_known` (they are the ones the
+    engine will load: named, or the profile's own for its own target, or fitted)."""
     if profile.target.rpc or profile.hardware.device != "cpu" or profile.target.tier == "disk":
         return False
-    return read_target_ahead(profile.target.path,
-                             on_llama_cpp=gguf_on_llama_cpp(profile.target.gguf_kernel, profile.hardware.device))
+    on_llama_cpp = gguf_on_llama_cpp(profile.target.gguf_kernel, profile.hardware.device)
+    reading = read_target_ahead(profile.target.path, on_llama_cpp=on_llama_cpp)
+    if reading and on_llama_cpp and minions_known:
+        for minion in profile.minions:
+            if minion.kind == "gguf" and minion.path and (minion.device or "cpu") == "cpu":
+                try:
+                    build_minion_early(shard_paths(minion.path)[0])
+                except (OSError, ValueError):
+                    pass  # the load names a missing file
+    return reading
 
 
 def read_named_profile_target_ahead(profile: str | os.PathLike, **overrides) -> bool:
@@ -71,6 +81,15 @@ def read_named_profile_target_ahead(profile: str | os.PathLike, **overrides) -> 
 
     try:
         loaded = load_profile(profile, target=overrides.get("target"), minions=overrides.get("minions"))
-        return read_profile_target_ahead(with_rpc(loaded, overrides.get("rpc"), overrides.get("rpc_split")))
+        return read_profile_target_ahead(with_rpc(loaded, overrides.get("rpc"), overrides.get("rpc_split")),
+                                         minions_known=minions_known(overrides.get("target"),
+                                                                     overrides.get("minions")))
     except (MinionsError, OSError, ValueError):
         return False
+
+
+def minions_known(target, minions) -> bool:
+    """Whether a profile loaded with these overrides lists the minions the engine will load:
+    not where a command-line target replaces the profile's and no minion is named (the
+    plan then finds minions for that target: planning/fitting.py)."""
+    return minions is not None or target is None

@@ -135,9 +135,10 @@ def load_engine(args: argparse.Namespace, err: TextIO) -> Any:
 
     profile = with_rpc(load_profile(args.profile, target=args.target, minions=args.minions),
                        getattr(args, "rpc", None), getattr(args, "rpc_split", None))
-    from minions_local.planning.target_read_ahead import read_profile_target_ahead
+    from minions_local.planning.target_read_ahead import minions_known, read_profile_target_ahead
 
-    read_profile_target_ahead(profile)  # a GGUF held in RAM: its file is read while torch is imported
+    # a GGUF held in RAM: its file is read (and its model and minions loaded) while torch is imported
+    read_profile_target_ahead(profile, minions_known=minions_known(args.target, args.minions))
     from minions_local.engine import Engine
 
     try:  # the engine reports loading itself; transformers' own bar would draw over it

@@ -1,6 +1,7 @@
-"""A target's model loaded by llama.cpp from the moment its path is known (backends/
-llama_early.py): the load takes that model and computes the same bits; one it does not
-take is freed; a file llama.cpp refuses early says nothing then and is named by the load.
+"""A target's model loaded by llama.cpp from the moment its path is known, and its named
+GGUF minions made (backends/llama_early.py): the load takes that model and computes the
+same bits, the minion's load takes that minion; what is not taken is freed; a file
+llama.cpp refuses early says nothing then and is named by the load.
 And what lets two loads run at once: log lines kept per thread, and load switches that
 loads asking the same share (backends/llama_context.py)."""
 
@@ -65,7 +66,7 @@ def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model,
         plain.close()
     assert read_target_ahead(model, on_llama_cpp=True)
     (early,) = llama_early._loads.values()
-    assert early.done.wait(60) and early.model
+    assert early.done.wait(60) and early.made
     loads = []
     real = llama_cpp.llama_model_load_from_file
     monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", lambda path, params: loads.append(path) or
@@ -73,7 +74,7 @@ def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model,
     target, _ = load_llama_target(model, context_tokens=256, threads=2)
     try:
         assert not llama_early._loads
-        assert target.model == early.model  # the early load's own model, not a second load
+        assert target.model == early.made  # the early load's own model, not a second load
         assert not [p for p in loads if p.endswith(b"model.gguf")], loads  # (the cut's load is the only one)
         assert np.array_equal(_logits(target), want)
     finally:
@@ -91,19 +92,19 @@ def test_a_model_the_load_does_not_take_is_freed(model):
     tiers = ["device", "disk", "disk", "device"]
     target, _ = load_llama_target(model, context_tokens=256, threads=2, layer_tiers=tiers, window=1)
     try:
-        assert not llama_early._loads and early.model is None  # freed
+        assert not llama_early._loads and early.made is None  # freed
         assert target.streamer is not None and target.model
     finally:
         target.close()
     llama_early.load_model_early(model)
     (early,) = llama_early._loads.values()
     llama_early.drop_early_models()
-    assert not llama_early._loads and early.model is None
+    assert not llama_early._loads and early.made is None
     # asked with other settings than it was loaded with, it is freed and not given
     llama_early.load_model_early(model)
     (early,) = llama_early._loads.values()
     assert llama_early.claim_early_model(model, n_gpu_layers=0, interleave=False, prefetch=True) is None
-    assert early.model is None
+    assert early.made is None
 
 
 def test_a_file_llama_cpp_refuses_early_is_named_by_the_load_alone(tmp_path, model, capfd):
@@ -118,15 +119,22 @@ def test_a_file_llama_cpp_refuses_early_is_named_by_the_load_alone(tmp_path, mod
     truncated.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
     for path in (foreign, truncated):
         llama_early.load_model_early(path)
+        llama_early.build_minion_early(path)
     for early in list(llama_early._loads.values()):
-        assert early.done.wait(60) and early.model is None
+        assert early.done.wait(60) and early.made is None
     assert capfd.readouterr().err == ""
+    from minions_local.backends.gguf import GGUFMinion
+
+    for path in (foreign, truncated):
+        with pytest.raises(ModelLoadError, match=path.name):
+            GGUFMinion.from_path(path)
+    capfd.readouterr()
     with pytest.raises(ModelLoadError, match="its architecture 'foo' is not one this llama.cpp knows"):
         load_llama_target(foreign, context_tokens=256)
     with pytest.raises(ModelLoadError, match="truncated.gguf"):
         load_llama_target(truncated, context_tokens=256)
     assert capfd.readouterr().err == ""  # the message says it all, without llama.cpp's lines
-    assert all(early.model is None for early in llama_early._loads.values())
+    assert all(early.made is None for early in llama_early._loads.values())
 
 
 def test_each_thread_s_log_lines_are_its_own(capfd):
@@ -188,10 +196,97 @@ def test_loads_with_the_same_switches_share_them_and_others_wait():
         with load_switches(prefetch=False):
             order.append(f"streamed {os.environ.get('GGML_CPU_TILED_REPACK')} {os.environ.get('LLAMA_MMAP_PREFETCH')}")
 
-    threads = [threading.Thread(target=interleaved, args=(n,)) for n in ("a", "b")] + [threading.Thread(target=streamed)]
+    def minion() -> None:  # no switches: it waits too (its weights take ggml's own layouts)
+        inside.wait(10)
+        with load_switches():
+            order.append(f"minion {os.environ.get('GGML_CPU_TILED_REPACK')} {os.environ.get('LLAMA_MMAP_PREFETCH')}")
+
+    threads = [threading.Thread(target=interleaved, args=(n,)) for n in ("a", "b")] + \
+        [threading.Thread(target=streamed), threading.Thread(target=minion)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
-    assert sorted(order[:2]) == ["a 1 None", "b 1 None"] and order[2] == "streamed None 0"
+    assert sorted(order[:2]) == ["a 1 None", "b 1 None"] and sorted(order[2:]) == ["minion None None",
+                                                                                     "streamed None 0"]
     assert "GGML_CPU_TILED_REPACK" not in os.environ and "LLAMA_MMAP_PREFETCH" not in os.environ
+
+
+def _drafted(minion, context: list[int]) -> list[int]:
+    from minions_local.core.protocols import GrowBudget
+
+    minion.reset()
+    minion.prefill(context)
+    tree = minion.grow(context, GrowBudget(max_nodes=8, max_depth=3, top_k=2))
+    minion.reset()
+    return list(tree.tokens)
+
+
+def test_a_named_gguf_minion_is_made_while_the_target_loads_and_taken_by_its_load(model, monkeypatch):
+    """Where the target's model loads early, the GGUF minions the profile names are made
+    early too (its model and first context, on a thread of their own); the minion's load
+    takes that one, which drafts as one made then does; one asked with other options is
+    closed and made anew; with minions the plan will choose (a command-line target, no
+    minion named) nothing is made early."""
+    from minions_local.backends import llama_early, llama_stream
+    from minions_local.backends.gguf import GGUFMinion
+    from minions_local.planning import target_read_ahead
+    from minions_local.planning.machine_memory import MachineMemory
+
+    monkeypatch.setattr(target_read_ahead, "usable_memory",
+                        lambda: MachineMemory(100 * model.stat().st_size, "test", 0))
+    assert target_read_ahead.read_named_profile_target_ahead("cpu-demo", target=str(model))
+    llama_stream.claim_read_ahead([model]).stop()
+    assert [kind for kind, _ in llama_early._loads] == ["target"]  # the plan picks the minions
+    llama_early.drop_early_models()
+
+    # the same file as target and minion: two loads of their own
+    assert target_read_ahead.read_named_profile_target_ahead("cpu-demo", target=str(model),
+                                                             minions=[str(model), "ngram"])
+    llama_stream.claim_read_ahead([model]).stop()
+    assert sorted(kind for kind, _ in llama_early._loads) == ["minion", "target"]
+    early = llama_early._loads[("minion", str(model.resolve()))]
+    assert early.done.wait(60) and early.made is not None
+    made_early = early.made
+    minion = GGUFMinion.from_path(model, n_gpu_layers=0)
+    assert minion is made_early and ("minion", str(model.resolve())) not in llama_early._loads
+    fresh = GGUFMinion(model)
+    try:
+        assert _drafted(minion, PROMPT) == _drafted(fresh, PROMPT)
+    finally:
+        fresh.close()
+        minion.close()
+
+    llama_early.build_minion_early(model)
+    (again,) = [load for (kind, _), load in llama_early._loads.items() if kind == "minion"]
+    assert again.done.wait(60) and again.made is not None
+    other = GGUFMinion.from_path(model, n_ctx=512)
+    try:
+        assert other is not again.made and again.made is None  # made anew; the early one closed
+    finally:
+        other.close()
+
+
+def test_a_load_lets_go_of_its_switches_once_llama_cpp_has_made_its_weights_buffers():
+    """load_model_file holds the switches while llama.cpp maps the file and chooses each
+    weight's buffer, and lets go at its "model buffer size" line: a minion's load (no
+    switches, which waits for others) goes on while the weights are read and copied."""
+    from minions_local.backends import llama_context
+
+    llama_context.import_llama_cpp()  # its log callback is installed
+    seen: list[tuple[list, str | None]] = []
+
+    def state() -> tuple[list, str | None]:
+        return [dict(h) for h in llama_context._switch_holders], os.environ.get("GGML_CPU_TILED_REPACK")
+
+    class Lib:
+        @staticmethod
+        def llama_model_load_from_file(path: bytes, params) -> int:
+            seen.append(state())
+            llama_context._log_callback(2, b"load_tensors: CPU_Mapped model buffer size = 1.00 MiB\n", None)
+            seen.append(state())
+            return 7
+
+    assert llama_context.load_model_file(Lib(), "x.gguf", None, interleave=True) == 7
+    assert seen == [([{"GGML_CPU_TILED_REPACK": "1"}], "1"), ([], None)]
+    assert state() == ([], None) and not llama_context._line_watchers

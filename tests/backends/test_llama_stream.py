@@ -200,5 +200,5 @@ def test_only_a_gguf_that_surely_stays_resident_is_read_early(model, tmp_path, m
     llama_stream.claim_read_ahead([model]).stop()
     from minions_local.backends import llama_early
 
-    assert list(llama_early._loads) == [str(model.resolve())]  # cpu-demo computes a GGUF on llama.cpp
+    assert list(llama_early._loads) == [("target", str(model.resolve()))]  # cpu-demo computes a GGUF on llama.cpp
     llama_early.drop_early_models()

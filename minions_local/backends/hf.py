@@ -233,7 +233,7 @@ class CachedModel(SlotStates):
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with attention_kernels(ids.device):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             **{_cache_arg(self.model): self.cache},
+                             **cache_kwargs(self.model, self.cache),
                              use_cache=True, output_hidden_states=self.keep_hidden, **self._keep_logits(prefill))
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         if self.keep_hidden:
@@ -275,11 +275,11 @@ def _dynamic_cache():
     return DynamicCache()
 
 
-def _cache_arg(model) -> str:
-    """The name a causal LM's forward takes its KV cache by: transformers 5.24 renamed
+def cache_kwargs(model, cache) -> dict:
+    """The KV cache as a causal LM's forward takes it: transformers 5.24 renamed
     `past_key_values` to `cache` (the old name still works there, with a FutureWarning
-    printed into the user's chat); older releases know only the old one."""
-    return "cache" if _forward_takes(model, "cache") else "past_key_values"
+    printed into the user's chat, and goes at 5.40); older releases know only the old one."""
+    return {"cache" if _forward_takes(model, "cache") else "past_key_values": cache}
 
 
 def _forward_takes(model, keyword: str) -> bool:

@@ -227,7 +227,11 @@ def _check_cut(model: Any, n_ctx: int, threads: int | None, progress: Progress |
             loading = pool.submit(meanwhile) if meanwhile is not None else None
             try:
                 verdict = rows_differ(cut)
+                if loading is not None:
+                    cut.special_ids()  # its vocabulary is the file's: asked while the model loads
                 target = loading.result() if loading is not None else None
+                if target is not None:
+                    target.same_vocabulary_as(cut)
             except BaseException:
                 if loading is not None and loading.exception() is None:
                     loading.result().close()

@@ -168,6 +168,8 @@ def forward_seconds(model, tokens: int, prefix: int, min_seconds: float) -> floa
     import torch
     from transformers import DynamicCache
 
+    from minions_local.backends.hf import cache_kwargs
+
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -175,11 +177,11 @@ def forward_seconds(model, tokens: int, prefix: int, min_seconds: float) -> floa
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
         positions = torch.arange(prefix, prefix + tokens, device=device)[None]
 
         def step():
-            model(input_ids=ids[:, prefix:], past_key_values=cache, position_ids=positions, use_cache=True)
+            model(input_ids=ids[:, prefix:], **cache_kwargs(model, cache), position_ids=positions, use_cache=True)
             cache.crop(-tokens)  # transformers 5: a negative count of tokens to drop
 
         return _best_time(step, min_seconds, sync=sync)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from demo_family.training import iterate_windows
+from minions_local.backends.hf import cache_kwargs
 
 CHAIN_DEPTH = 8  # draft tokens per pass in the chain simulations below
 
@@ -54,12 +55,12 @@ def greedy_choices(model: PreTrainedModel, windows: list[torch.Tensor], k: int =
 def greedy_continuations(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """The model's greedy continuation of each prompt (no early stop), [B, P + new]."""
     cache = DynamicCache()
-    logits = model(input_ids=prompts, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids=prompts, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     out = [prompts]
     for _ in range(new_tokens):
         token = logits.argmax(-1, keepdim=True)
         out.append(token)
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     return torch.cat(out, dim=1)
 
 

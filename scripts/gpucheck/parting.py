@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
+from minions_local.backends.hf import cache_kwargs
+
 ROUNDING_FACTOR = 4.0
 ULP_FLOOR = 4.0
 TOP = 8
@@ -72,8 +74,8 @@ def logits_two_ways(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     full = model(input_ids=x).logits[0, -1].float()
     cache = DynamicCache()
     if len(ids) > 1:
-        model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True)
-    one = model(input_ids=x[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+        model(input_ids=x[:, :-1], **cache_kwargs(model, cache), use_cache=True)
+    one = model(input_ids=x[:, -1:], **cache_kwargs(model, cache), use_cache=True).logits[0, -1].float()
     return one, full
 
 

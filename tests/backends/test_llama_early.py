@@ -54,7 +54,7 @@ def _logits(target) -> np.ndarray:
     return target.verify(PROMPT, tree).numpy().copy()
 
 
-def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model, monkeypatch):
+def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model, monkeypatch, tmp_path):
     from minions_local.backends import llama_early
     from minions_local.backends.llama_load import load_llama_target
     from minions_local.planning.target_read_ahead import read_target_ahead
@@ -62,8 +62,11 @@ def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model,
     plain, _ = load_llama_target(model, context_tokens=256, threads=2)
     try:
         want = _logits(plain)
+        plain._special = None
+        special = plain.special_ids()  # asked of the model itself
     finally:
         plain.close()
+    monkeypatch.setenv("MINIONS_CACHE_DIR", str(tmp_path / "new-cache"))  # the file checked on its cut again
     assert read_target_ahead(model, on_llama_cpp=True)
     (early,) = llama_early._loads.values()
     assert early.done.wait(60) and early.made
@@ -77,6 +80,7 @@ def test_the_load_takes_the_model_loaded_early_and_computes_the_same_bits(model,
         assert target.model == early.made  # the early load's own model, not a second load
         assert not [p for p in loads if p.endswith(b"model.gguf")], loads  # (the cut's load is the only one)
         assert np.array_equal(_logits(target), want)
+        assert target._special is not None and target.special_ids() == special  # the cut's answer
     finally:
         target.close()
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
+from minions_local.backends.hf import cache_kwargs
+
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 VOCAB = 128
 
@@ -74,13 +76,13 @@ def tree_pass_logits(model, *, prompt_len: int = 9, steps: int = 2, seed: int = 
     dtype, dev = first.dtype, first.device
     cache = DynamicCache()
     prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=gen).to(dev)
-    outs = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits.cpu()]
+    outs = [model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True).logits.cpu()]
     for _ in range(steps):
         p = cache.get_seq_length()
         tokens = torch.randint(0, VOCAB, (1, len(PARENTS)), generator=gen).to(dev)
         pos = torch.tensor([[p + d for d in depths(PARENTS)]], device=dev)
         out = model(input_ids=tokens, attention_mask=tree_mask(PARENTS, p, dtype).to(dev), position_ids=pos,
-                    past_key_values=cache, use_cache=True)
+                    **cache_kwargs(model, cache), use_cache=True)
         outs.append(out.logits.cpu())
         keep = torch.tensor(list(range(p)) + [p, p + 1, p + 3], device=dev)  # root -> 1 -> 3
         for layer in cache.layers:

@@ -59,8 +59,8 @@ from minions_local.core.slots import SlotStates
 from minions_local.backends.frontier import Frontier, drawn_children, top_children
 from minions_local.backends.gguf_request import RequestTree
 from minions_local.backends.llama_context import (KV_TYPES, MAX_SEQUENCES, LlamaContext, buffer_report,
-                                                  context_params, import_llama_cpp, load_model_file,
-                                                  runs_per_block)
+                                                  context_params, import_llama_cpp, load_model_file, runs_per_block)
+from minions_local.backends.llama_early import claim_early_minion
 
 _MAX_GROW_THREADS = 8  # a small minion gains little from more, and each adds a barrier party
 
@@ -154,10 +154,7 @@ class GGUFMinion(SlotStates, BaseMinion):
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **kwargs: Any) -> GGUFMinion:
-        """The minion at `path`: the one made early for it (llama_early.build_minion_early)
-        where its options are these, else made now."""
-        from minions_local.backends.llama_early import claim_early_minion
-
+        """The minion at `path`: made early where asked with these options (llama_early.py), else now."""
         return (claim_early_minion(path, kwargs) if cls is GGUFMinion else None) or cls(path, **kwargs)
 
     # --- the Minion protocol ------------------------------------------------------------

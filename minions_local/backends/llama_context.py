@@ -89,7 +89,7 @@ _switches_before: dict[str, str | None] = {}
 
 class SwitchHold:
     """A load's hold on the switches (load_switches): `release()` lets loads asking other
-    switches go on once llama.cpp has read these (load_model_file: at its first weight)."""
+    switches go on once llama.cpp has read these (load_model_file: at its buffers' log line)."""
 
     def __init__(self, settings: dict[str, str]) -> None:
         self.settings = settings
@@ -223,7 +223,12 @@ def llama_cpp_refusal(path: str | os.PathLike) -> str | None:
     if model:
         lib.llama_model_free(model)
         return ""
-    reasons = re.findall(r"error loading model: (.*)", "".join(lines))
+    return load_error_reason("".join(lines))
+
+
+def load_error_reason(said: str) -> str | None:
+    """llama.cpp's last reason for refusing a model in its log text `said`, if it gave one."""
+    reasons = re.findall(r"error loading model: (.*)", said)
     return reasons[-1].strip() if reasons else None
 
 

@@ -19,13 +19,12 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from minions_local.backends.llama_context import drop_held_errors, log_lines, switches_may_be_late
+from minions_local.backends.llama_context import drop_held_errors, load_error_reason, log_lines, switches_may_be_late
 from minions_local.backends.llama_early import drop_early_models
 from minions_local.backends.llama_rpc import DEFAULT_TIMEOUT
 from minions_local.backends.llama_stream import (FileReadAhead, PageCacheStreamer, Span, claim_read_ahead, layer_spans,
@@ -260,8 +259,8 @@ def _load_split(model: Any, n_ctx: int, threads: int | None, progress: Progress 
                                        timeout=rpc.get("timeout") or DEFAULT_TIMEOUT, check_rows=check,
                                        n_ctx=llama_cache_cells(n_ctx), threads=threads)
         except ModelLoadError as err:
-            reason = re.findall(r"error loading model: (.*)", "".join(lines))
-            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason[-1].strip()}.' if reason else ''}") from None
+            reason = load_error_reason("".join(lines))
+            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason}.' if reason else ''}") from None
     if progress:
         progress(LoadProgress("target", "ram", model.size, model.size, f"ready: {target.describe_split()}"))
     return target, LlamaVocab(target.lib, target.vocabulary_model())
@@ -278,8 +277,8 @@ def _open(model: Any, **options: Any) -> LlamaTarget:
             unknown = unknown_architecture(said)
             if unknown:
                 raise ModelLoadError(unknown_architecture_message(model.path, unknown)) from None
-            reason = re.findall(r"error loading model: (.*)", said)
-            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason[-1].strip()}.' if reason else ''}") from None
+            reason = load_error_reason(said)
+            raise ModelLoadError(f"{err}{f' llama.cpp said: {reason}.' if reason else ''}") from None
 
 
 def rows_differ(target: LlamaTarget) -> str:

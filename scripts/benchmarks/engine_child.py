@@ -46,10 +46,12 @@ def _tree_pass_seconds(engine, context: list[int], nodes: int, repeats: int = 3)
     return statistics.median(times)
 
 
-def _profile(kernel: str, context: int = 0) -> str:
-    """cpu-demo, or a copy of it whose GGUF target computes with `kernel` (gguf_kernel) and
-    holds `context` tokens (context_tokens; 0 keeps the profile's): the peers' context size."""
-    if kernel == "auto" and not context:
+def _profile(kernel: str, context: int = 0, speculation: str = "") -> str:
+    """cpu-demo, or a copy of it whose GGUF target computes with `kernel` (gguf_kernel),
+    holds `context` tokens (context_tokens; 0 keeps the profile's: the peers' context size)
+    and whose [speculation] gets the `speculation` settings ("key=value,...", e.g.
+    "adaptive=false,budget=40": a fixed tree, to see what the cost model's choice is worth)."""
+    if kernel == "auto" and not context and not speculation:
         return "cpu-demo"
     import re
     import tempfile
@@ -62,6 +64,11 @@ def _profile(kernel: str, context: int = 0) -> str:
     if context:
         text, found = re.subn(r"(?m)^context_tokens = \d+", f"context_tokens = {context}", text, count=1)
         assert found, "cpu-demo.toml names no context_tokens"
+    for setting in filter(None, speculation.split(",")):
+        key, value = (part.strip() for part in setting.split("=", 1))
+        text, found = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
+        if not found:
+            text = text.replace("[speculation]\n", f"[speculation]\n{key} = {value}\n", 1)
     path = Path(tempfile.mkdtemp()) / f"cpu-demo-{kernel}-{context}.toml"
     path.write_text(text)
     return str(path)
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     split = {"rpc": args.rpc.split(",")} if args.rpc else {}
     if args.rpc_split:
         split["rpc_split"] = [float(x) for x in args.rpc_split.split(",")]
-    profile = _profile(args.kernel, args.context)
+    profile = _profile(args.kernel, args.context, args.speculation)
     # Loaded as minions-chat and minions-serve load it (tui/bridge.py, server/cli.py): a GGUF
     # target held in RAM is read from here on, while torch is imported.
     from minions_local.planning.target_read_ahead import read_named_profile_target_ahead
@@ -140,6 +147,8 @@ def main() -> None:
     parser.add_argument("--tree-pass", type=int, default=0)
     parser.add_argument("--kernel", default="auto", help="the GGUF target's gguf_kernel (auto: llama.cpp)")
     parser.add_argument("--context", type=int, default=0, help="tokens the target's cache holds (0: the profile's)")
+    parser.add_argument("--speculation", default="", help="[speculation] settings, key=value,... "
+                        "(e.g. adaptive=false,budget=40)")
     parser.add_argument("--rpc", default="", help="split the target over these servers (host:port,...)")
     parser.add_argument("--rpc-split", default="", help="this machine's share, then each server's")
     parser.add_argument("--batch", default="", help="also answer this many chats at once (e.g. 4,8)")

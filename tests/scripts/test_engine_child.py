@@ -17,6 +17,19 @@ def test_the_childs_profile_holds_the_context_and_kernel_it_is_given():
     assert (both.context_tokens, both.gguf_kernel) == (2048, "dequant")
 
 
+def test_the_childs_profile_takes_speculation_settings():
+    """A fixed tree against the cost model's choice: settings replace the profile's own
+    (max_depth) or are added to its [speculation] (budget)."""
+    from benchmarks.engine_child import _profile
+    from minions_local.profile.loader import load_profile
+
+    shipped = load_profile("cpu-demo").speculation
+    fixed = load_profile(_profile("auto", 0, "adaptive=false,budget=24,max_depth=8")).speculation
+    assert shipped.adaptive and shipped.max_depth != 8
+    assert (fixed.adaptive, fixed.budget, fixed.max_depth) == (False, 24, 8)
+    assert fixed.top_k == shipped.top_k
+
+
 def test_the_load_is_set_against_llama_cpps_load_line_and_its_ready_time():
     """llama.cpp's 'load time' line counts its weights alone; its ready time (start to the
     prompt) holds its context's buffers and warm-up too, the span our load is timed over."""

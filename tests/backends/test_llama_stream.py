@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.llama_child import drop_page_cache
 from minions_local.core.tree import TokenTree
-from tests.helpers.offload_helpers import cached_pages
+from tests.helpers.offload_helpers import cached_pages, device_readahead_bytes
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.gguf
@@ -97,11 +97,16 @@ def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(mod
                 cached, pages = cached_pages(model, span.start, span.end)
                 assert cached == pages, (layer, cached, pages)
         # The streamer reads its window (+1) ahead of the first pass; past it and away from
-        # the resident layers (a fault's readahead may cross a boundary) nothing was read.
+        # the resident layers nothing was read. "Away" is beyond the device's readahead: a
+        # read or a fault may bring that much in around it (128 KB by default, a layer
+        # here is 1.3 MB; some boxes' disks read 8 MB ahead, past every layer of this file).
         ahead = streamer.streamed[:streamer.window + 1]
+        reach = device_readahead_bytes(model)
+        read = [s for i in resident + ahead for s in streamer.spans[i]]
         far = [i for i in streamer.streamed
-               if i not in ahead and all(abs(i - r) > 1 for r in resident) and i - 1 not in ahead]
-        assert far
+               if i not in ahead and all(abs(i - r) > 1 for r in resident) and i - 1 not in ahead
+               and all(s.start >= r.end + reach or s.end <= r.start - reach
+                       for s in streamer.spans[i] for r in read)]
         counts = [cached_pages(model, s.start, s.end) for i in far for s in streamer.spans[i]]
         cached, pages = sum(c for c, _ in counts), sum(p for _, p in counts)
         assert cached <= pages // 10, (far, cached, pages)
@@ -121,6 +126,9 @@ def test_a_streamed_load_reads_the_resident_layers_and_not_the_streamed_ones(mod
         assert np.array_equal(streamed, whole.verify(prompt, TokenTree.from_root(prompt[-1]))[0].numpy())
     finally:
         whole.close()
+    if not far:  # checked all but what was read: say so
+        pytest.skip(f"the device's readahead ({reach >> 10} KB) reaches every streamed layer of this "
+                    f"{model.stat().st_size >> 20} MB file: which layers were read is not checked here")
 
 
 def test_a_file_system_that_refuses_read_hints_still_loads_and_streams(model, monkeypatch):

@@ -125,3 +125,19 @@ def cached_pages(path: Path, start: int = 0, end: int | None = None) -> tuple[in
     if end is None or end >= size:
         last = n
     return sum(b & 1 for b in vec.raw[first:last]), max(0, last - first)
+
+
+def device_readahead_bytes(path: Path) -> int:
+    """The readahead of the block device holding `path` (its queue's read_ahead_kb): how far
+    past a read, or around a page fault, the kernel may bring a file's pages in. 128 KB, the
+    kernel's default, where sysfs does not say (an overlay, tmpfs)."""
+    import os
+
+    st = os.stat(path)
+    node = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for queue in (node / "queue", node.resolve().parent / "queue"):  # a disk, or a partition's disk
+        try:
+            return int((queue / "read_ahead_kb").read_text()) * 1024
+        except (OSError, ValueError):
+            continue
+    return 128 * 1024

@@ -64,11 +64,17 @@ def _profile(kernel: str, context: int = 0, speculation: str = "") -> str:
     if context:
         text, found = re.subn(r"(?m)^context_tokens = \d+", f"context_tokens = {context}", text, count=1)
         assert found, "cpu-demo.toml names no context_tokens"
-    for setting in filter(None, speculation.split(",")):
-        key, value = (part.strip() for part in setting.split("=", 1))
-        text, found = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
-        if not found:
-            text = text.replace("[speculation]\n", f"[speculation]\n{key} = {value}\n", 1)
+    if speculation:  # edited within [speculation] alone: a key of another table keeps its value
+        head, table, rest = text.partition("[speculation]\n")
+        assert table, "cpu-demo.toml has no [speculation]"
+        end = next(re.finditer(r"(?m)^\[", rest), None)  # the next table, if one follows
+        body, tail = (rest[:end.start()], rest[end.start():]) if end else (rest, "")
+        for setting in filter(None, speculation.split(",")):
+            key, value = (part.strip() for part in setting.split("=", 1))
+            body, found = re.subn(rf"(?m)^{re.escape(key)} = .*$", f"{key} = {value}", body, count=1)
+            if not found:
+                body = f"{key} = {value}\n" + body
+        text = head + table + body + tail
     path = Path(tempfile.mkdtemp()) / f"cpu-demo-{kernel}-{context}.toml"
     path.write_text(text)
     return str(path)
